@@ -1,0 +1,23 @@
+"""`python -m ragged_fsdp <subcommand>`: each subcommand lives in its own module and
+registers itself through ``add_parser(subparsers)`` and ``run(args)``."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand name -> module under ragged_fsdp.cli
+SUBCOMMANDS = {"plan": "plan"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ragged_fsdp", description=__doc__.split(":")[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name, mod in SUBCOMMANDS.items():
+        modules[name] = importlib.import_module(f"ragged_fsdp.cli.{mod}")
+        modules[name].add_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(modules[args.command].run(args) or 0)
