@@ -1,4 +1,18 @@
 """RaggedShard: the placement (pure math) and its DTensor subclass (ops, redistribute)."""
-from .ragged_shard import RaggedShard, even_units, same_layout
+import torch.optim.optimizer as _optim
+import torch.utils._foreach_utils as _foreach_utils
 
-__all__ = ["RaggedShard", "even_units", "same_layout"]
+from .api import distribute_tensor, from_local
+from .dtensor import RaggedDTensor
+from .ragged_shard import RaggedShard, even_units, same_layout
+from .redistribute import redistribute
+
+# torch picks foreach/fused optimizer kernels only for tensor types it lists.
+for _types in (_optim._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    if RaggedDTensor not in _types:
+        _types.append(RaggedDTensor)
+
+__all__ = [
+    "RaggedShard", "RaggedDTensor", "from_local", "distribute_tensor", "redistribute",
+    "even_units", "same_layout",
+]

@@ -1,0 +1,109 @@
+"""Constructors that accept RaggedShard (torch's own reject unknown placements)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+
+from .dtensor import _FromLocal, element_ranges, make_spec, ragged_dim, wrap
+from .ragged_shard import RaggedShard
+
+__all__ = ["from_local", "distribute_tensor"]
+
+
+def _has_ragged(placements) -> bool:
+    return any(isinstance(p, RaggedShard) for p in placements)
+
+
+def from_local(
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence,
+    shape: Sequence[int] | None = None,
+    *,
+    stride=None,
+    run_check: bool = False,
+    requires_grad: bool | None = None,
+) -> DTensor:
+    """Wrap this rank's piece ``local`` (no copy) as a DTensor of global ``shape``.
+
+    ``shape`` is required for RaggedShard (the local pieces do not determine it). ``local``
+    must hold exactly this rank's elements; it is viewed in the placement's local shape.
+    Differentiable, like ``DTensor.from_local``. Other placements go to torch.
+    """
+    if not _has_ragged(placements):
+        return DTensor.from_local(local, mesh, placements, run_check=run_check, shape=shape, stride=stride)
+    if shape is None:
+        raise ValueError("from_local: shape= (the global shape) is required with a RaggedShard placement")
+    spec = make_spec(mesh, placements, shape, local.dtype)
+    d = ragged_dim(spec.placements)
+    rank = mesh.get_local_rank(d)
+    want = spec.placements[d].local_shape(spec.shape, rank)
+    n = spec.placements[d].local_numel(spec.shape, rank)
+    if local.numel() != n:
+        raise ValueError(
+            f"from_local: rank {rank} holds {local.numel()} elements but {spec.placements[d]} "
+            f"gives it {n} of a tensor of shape {tuple(shape)}; pass this rank's exact piece"
+        )
+    if tuple(local.shape) != tuple(want):
+        local = local.view(want)
+    if run_check:
+        sizes = torch.tensor([local.numel()], dtype=torch.int64)
+        group = mesh.get_group(d)
+        got = [torch.zeros_like(sizes) for _ in range(mesh.size(d))]
+        dist.all_gather(got, sizes, group=group)
+        ranges = element_ranges(spec)
+        for r, g in enumerate(got):
+            if int(g) != ranges[r][1] - ranges[r][0]:
+                raise ValueError(f"from_local: rank {r} holds {int(g)} elements, its placement says otherwise")
+    if torch.is_grad_enabled() and local.requires_grad:
+        out = _FromLocal.apply(local, spec)
+    else:
+        out = wrap(local, spec)
+    if requires_grad is not None:
+        out.requires_grad_(requires_grad)
+    return out
+
+
+def distribute_tensor(
+    tensor: torch.Tensor,
+    mesh: DeviceMesh,
+    placements: Sequence,
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Shard a full tensor. As torch's: by default rank 0's data is scattered (other ranks'
+    ``tensor`` only gives shape and dtype); ``src_data_rank=None`` slices each rank's own
+    copy with no communication. The result is a leaf that keeps ``tensor.requires_grad``."""
+    if not _has_ragged(placements):
+        return torch_distribute_tensor(tensor, mesh, placements, src_data_rank=src_data_rank)
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor: tensor is already a DTensor; use ragged_fsdp.redistribute")
+    spec = make_spec(mesh, placements, tuple(tensor.shape), tensor.dtype)
+    d = ragged_dim(spec.placements)
+    rank, group, world = mesh.get_local_rank(d), mesh.get_group(d), mesh.size(d)
+    ranges = element_ranges(spec)
+    flat = tensor.detach().reshape(-1)
+    a, b = ranges[rank]
+    if src_data_rank is None or world == 1:
+        piece = flat[a:b].clone()
+    else:
+        longest = max(hi - lo for lo, hi in ranges)
+        out = flat.new_empty(longest)
+        if rank == src_data_rank:
+            chunks = []
+            for lo, hi in ranges:
+                c = flat.new_zeros(longest)
+                c[: hi - lo] = flat[lo:hi]
+                chunks.append(c)
+        else:
+            chunks = None
+        dist.scatter(out, chunks, src=dist.get_global_rank(group, src_data_rank), group=group)
+        piece = out[: b - a].clone()
+    local = piece.view(spec.placements[d].local_shape(spec.shape, rank))
+    return wrap(local, spec, requires_grad=tensor.requires_grad)

@@ -1,0 +1,309 @@
+"""Operator dispatch for RaggedDTensor.
+
+Four kinds of ops are supported, each with the rule that makes it exact:
+
+* local ops (pointwise, ``_foreach_*``, fused optimizer kernels, ``*_like`` factories,
+  clone/detach/copy/fill/zero, dtype casts): every RaggedDTensor argument at the same
+  position must have the same layout, so the op on local tensors is the op on the global
+  tensor restricted to this rank's elements. Scalars, 0-d plain tensors and one-element
+  Replicate DTensors may join in (learning rates, clip coefficients);
+* random fills (``normal_``, ``uniform_``, ...): the full tensor is drawn and sliced, so a
+  seed gives the same values at every world size (the RNG advances as in one process);
+* reductions (``norm``, ``sum``, ``max``, ``min``, ``_foreach_norm``): reduce locally, then
+  one all-reduce over the ragged mesh dim; the result is a Replicate DTensor;
+* ``copy_`` from a plain tensor of the global shape (``load_state_dict``): copies our slice.
+
+Anything else raises an error naming the op and the way out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils._pytree import tree_flatten, tree_map
+
+from .dtensor import RaggedDTensor, element_ranges, ragged_dim, spec_mismatch, wrap
+
+aten = torch.ops.aten
+
+# Ops that act element by element or only on metadata we keep, beyond those tagged pointwise.
+_LOCAL_OPS = {
+    aten.detach.default, aten.alias.default, aten.clone.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
+    aten._to_copy.default, aten.copy_.default, aten.lerp_.Scalar, aten.lerp_.Tensor,
+    aten.lerp.Scalar, aten.lerp.Tensor, aten.where.self, aten._fused_adamw_.default,
+    aten._fused_adam_.default, aten._fused_sgd_.default, aten._fused_adagrad_.default,
+    aten._fused_adamw_.tensor_lr, aten._fused_adam_.tensor_lr, aten._fused_sgd_.tensor_lr,
+    aten.masked_fill_.Scalar, aten.masked_fill.Scalar,
+}
+_RANDOM_OPS = {
+    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float,
+    aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
+    aten.log_normal_.default, aten.geometric_.default, aten.cauchy_.default,
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    aten.randint_like.low_dtype,
+}
+_BOOL_OPS = {aten.equal.default, aten.is_same_size.default}
+_FOREACH_NORM = {aten._foreach_norm.Scalar}
+_REDUCTIONS = {
+    aten.linalg_vector_norm.default, aten.sum.default, aten.sum.dim_IntList,
+    aten.max.default, aten.min.default, aten.amax.default, aten.amin.default,
+    aten.mean.default, aten.mean.dim,
+}
+
+
+def _is_local_op(func) -> bool:
+    if func in _LOCAL_OPS:
+        return True
+    name = func.__name__
+    if name.startswith("_foreach_") and func not in _FOREACH_NORM:
+        return True
+    return torch.Tag.pointwise in func.tags
+
+
+def dispatch(func, args, kwargs):
+    if func in _RANDOM_OPS:
+        return _random(func, args, kwargs)
+    if func in _REDUCTIONS:
+        return _reduce(func, args, kwargs)
+    if func in _FOREACH_NORM:
+        return _foreach_norm(args, kwargs)
+    if func is aten.copy_.default and not isinstance(args[1], RaggedDTensor):
+        return _copy_from_full(args[0], args[1])
+    if func in _BOOL_OPS:
+        return _bool_op(func, args, kwargs)
+    if _is_local_op(func):
+        return _local(func, args, kwargs)
+    raise NotImplementedError(
+        f"ragged_fsdp: {func} is not supported on RaggedShard DTensors. Call .full_tensor() "
+        "to work on the whole tensor, or .redistribute(mesh, [Replicate()]) / "
+        "[Shard(0)] to move to a layout torch's DTensor supports."
+    )
+
+
+# -- local ops ---------------------------------------------------------------------------
+
+def _unwrap_arg(func, x):
+    if isinstance(x, RaggedDTensor):
+        return x._local_tensor
+    if isinstance(x, DTensor):
+        if x.numel() == 1 and all(isinstance(p, Replicate) for p in x.placements):
+            return x._local_tensor
+        raise ValueError(
+            f"ragged_fsdp: {func} mixes a RaggedShard DTensor with a DTensor of placements "
+            f"{x.placements}; redistribute one of them so both use the same layout"
+        )
+    return x
+
+
+def _check_plain(func, x, shape):
+    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
+        raise ValueError(
+            f"ragged_fsdp: {func} mixes a RaggedShard DTensor with a plain tensor of shape "
+            f"{tuple(x.shape)}; only scalars and one-element tensors can join a ragged op. "
+            "Wrap it with ragged_fsdp.distribute_tensor(t, mesh, placements) first"
+        )
+
+
+def _positions(args, kwargs):
+    """Ragged specs grouped by list position: foreach ops pair the i-th tensor of each list."""
+    by_pos: dict[int, list] = {}
+    flat, _ = tree_flatten((args, kwargs))
+    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
+    if lists:
+        for lst in lists:
+            for i, x in enumerate(lst):
+                if isinstance(x, RaggedDTensor):
+                    by_pos.setdefault(i, []).append(x)
+    for x in list(args) + list(kwargs.values()):
+        if isinstance(x, RaggedDTensor):
+            by_pos.setdefault(-1, []).append(x)
+    return by_pos, flat
+
+
+def _local(func, args, kwargs):
+    by_pos, flat = _positions(args, kwargs)
+    for group in by_pos.values():
+        for x in group[1:]:
+            why = spec_mismatch(group[0]._spec, x._spec)
+            if why is not None:
+                raise ValueError(
+                    f"ragged_fsdp: {func} on RaggedShard DTensors whose {why}; redistribute one "
+                    "so both have the same mesh, shape and RaggedShard layout"
+                )
+    ref = next(x for x in flat if isinstance(x, RaggedDTensor))
+    for x in flat:
+        _check_plain(func, x, ref.shape)
+    out = func(*tree_map(lambda x: _unwrap_arg(func, x), args),
+               **tree_map(lambda x: _unwrap_arg(func, x), kwargs))
+    return _rewrap(func, out, args, kwargs, by_pos)
+
+
+def _rewrap(func, out, args, kwargs, by_pos):
+    schema = func._schema
+    if not schema.returns:  # void in-place ops (_foreach_add_, _fused_adamw_)
+        return None
+    if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
+        # In-place or view of an input: hand back the input object, as torch does.
+        return args[0] if args else kwargs["self"]
+    if isinstance(out, (list, tuple)):
+        foreach = func.__name__.startswith("_foreach_")
+        return type(out)(
+            wrap(o, (by_pos.get(i) if foreach else by_pos[-1])[0]._spec)
+            if isinstance(o, torch.Tensor) else o
+            for i, o in enumerate(out)
+        )
+    if isinstance(out, torch.Tensor):
+        return wrap(out, by_pos[-1][0]._spec)
+    return out
+
+
+def _bool_op(func, args, kwargs):
+    a, b = args[0], args[1]
+    if not (isinstance(a, RaggedDTensor) and isinstance(b, RaggedDTensor)):
+        raise ValueError(f"ragged_fsdp: {func} needs two RaggedShard DTensors")
+    if spec_mismatch(a._spec, b._spec) is not None:
+        return False
+    if func is aten.is_same_size.default:
+        return True
+    same = torch.tensor(int(func(a._local_tensor, b._local_tensor)))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=_group(a))
+    return bool(same.item())
+
+
+def _group(t: RaggedDTensor):
+    return t._spec.mesh.get_group(ragged_dim(t._spec.placements))
+
+
+# -- random fills ------------------------------------------------------------------------
+
+def _random(func, args, kwargs):
+    """Draw the whole tensor and keep our slice: values do not depend on the world size."""
+    self = args[0]
+    if not isinstance(self, RaggedDTensor):
+        raise ValueError(f"ragged_fsdp: {func} expects a RaggedShard DTensor as its first argument")
+    local = self._local_tensor
+    full = torch.empty(self.shape, dtype=local.dtype, device=local.device)
+    out = func(full, *args[1:], **kwargs)
+    a, b = element_ranges(self._spec)[self._spec.mesh.get_local_rank(ragged_dim(self._spec.placements))]
+    piece = out.reshape(-1)[a:b]
+    if func._schema.returns and func._schema.returns[0].alias_info is not None:
+        with torch.no_grad():
+            local.view(-1).copy_(piece)
+        return self
+    return wrap(piece.view(local.shape).clone(), self._spec)
+
+
+# -- copy from a full tensor -------------------------------------------------------------
+
+def _copy_from_full(dst: RaggedDTensor, src):
+    if isinstance(src, DTensor):
+        raise ValueError(
+            f"ragged_fsdp: copy_ into a RaggedShard DTensor from a DTensor with placements "
+            f"{src.placements}; redistribute the source to the same RaggedShard first"
+        )
+    if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape):
+        shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+        raise ValueError(
+            f"ragged_fsdp: copy_ into a RaggedShard DTensor of shape {tuple(dst.shape)} from "
+            f"{shape}; the source must be the full (global) tensor"
+        )
+    rank = dst._spec.mesh.get_local_rank(ragged_dim(dst._spec.placements))
+    a, b = element_ranges(dst._spec)[rank]
+    piece = src.reshape(-1)[a:b].view(dst._local_tensor.shape)
+    dst._local_tensor.copy_(piece)
+    return dst
+
+
+# -- reductions --------------------------------------------------------------------------
+
+def _replicated(value: torch.Tensor, like: RaggedDTensor) -> DTensor:
+    mesh = like._spec.mesh
+    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _reduce(func, args, kwargs):
+    self = args[0]
+    local = self._local_tensor
+    if func in (aten.sum.dim_IntList, aten.mean.dim) or func in (aten.amax.default, aten.amin.default):
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        if dims not in (None, [], ()) and sorted(d % self.dim() for d in dims) != list(range(self.dim())):
+            raise NotImplementedError(
+                f"ragged_fsdp: {func} over dims {dims} of a RaggedShard DTensor; only reductions "
+                "over all dims are supported. Use .full_tensor() first"
+            )
+        if kwargs.get("keepdim") or (len(args) > 2 and args[2]):
+            raise NotImplementedError(f"ragged_fsdp: {func} with keepdim=True on a RaggedShard DTensor")
+    group = _group(self)
+    name = func.__name__.split(".")[0]
+    if name == "linalg_vector_norm":
+        ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+        dtype = kwargs.get("dtype")
+        return _replicated(_norms([local], ord_, group, dtype)[0], self)
+    if name in ("max", "min", "amax", "amin"):
+        is_max = name in ("max", "amax")
+        ident = float("-inf") if is_max else float("inf")
+        if local.dtype.is_floating_point:
+            v = local.amax() if is_max and local.numel() else local.amin() if local.numel() else torch.tensor(ident, dtype=local.dtype)
+        else:
+            info = torch.iinfo(local.dtype)
+            v = (local.amax() if is_max else local.amin()) if local.numel() else torch.tensor(info.min if is_max else info.max, dtype=local.dtype)
+        v = v.clone()
+        dist.all_reduce(v, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.MIN, group=group)
+        return _replicated(v, self)
+    dtype = kwargs.get("dtype")
+    total = local.sum(dtype=dtype) if dtype is not None else local.sum()
+    if not total.dtype.is_floating_point and not total.dtype.is_complex:
+        total = total.clone()
+    acc = total.to(torch.float64) if total.dtype.is_floating_point else total
+    dist.all_reduce(acc, group=group)
+    total = acc.to(total.dtype)
+    if name == "mean":
+        total = total / self.numel()
+    return _replicated(total, self)
+
+
+def _norms(locals_, ord_, group, dtype=None):
+    """Global vector norms of several ragged tensors with one all-reduce."""
+    ord_ = float(ord_)
+    device = locals_[0].device
+    out_dtype = dtype or locals_[0].dtype
+    if ord_ in (float("inf"), float("-inf")):
+        vals = torch.stack([
+            (t.abs().amax() if ord_ > 0 else t.abs().amin()).to(torch.float64) if t.numel()
+            else torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=torch.float64, device=device)
+            for t in locals_
+        ])
+        dist.all_reduce(vals, op=dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN, group=group)
+        return [v.to(out_dtype) for v in vals]
+    if ord_ == 0:
+        vals = torch.stack([(t != 0).sum().to(torch.float64) for t in locals_])
+    else:
+        vals = torch.stack([t.to(torch.float64).abs().pow(ord_).sum() for t in locals_])
+    dist.all_reduce(vals, group=group)
+    if ord_ != 0:
+        vals = vals.pow(1.0 / ord_)
+    return [v.to(out_dtype) for v in vals]
+
+
+def _foreach_norm(args, kwargs):
+    tensors = args[0]
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
+    ragged = [t for t in tensors if isinstance(t, RaggedDTensor)]
+    if len(ragged) != len(tensors):
+        raise ValueError("ragged_fsdp: _foreach_norm mixes RaggedShard DTensors with other tensors")
+    out = []
+    # One all-reduce per (group, dtype) batch.
+    by_group: dict = {}
+    for i, t in enumerate(tensors):
+        by_group.setdefault((id(_group(t)), t._local_tensor.dtype), []).append(i)
+    result = [None] * len(tensors)
+    for idx in by_group.values():
+        vals = _norms([tensors[i]._local_tensor for i in idx], ord_, _group(tensors[idx[0]]), dtype)
+        for i, v in zip(idx, vals):
+            result[i] = _replicated(v, tensors[i])
+    out.extend(result)
+    return out
