@@ -58,6 +58,7 @@ def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     for p in procs:
         p.start()
     results: dict[str, list[str]] = {f"{c.__module__}.{c.__name__}": [] for c in cases}
+    reports = dict.fromkeys(results, 0)
     pending = len(cases) * world
     import queue as _q
     import time
@@ -69,6 +70,7 @@ def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
         except _q.Empty:
             break
         pending -= 1
+        reports[name] += 1
         if err is not None:
             results[name].append(f"[rank {rank}] {err}")
     for p in procs:
@@ -78,7 +80,7 @@ def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     out = {}
     for name, errs in results.items():
         out[name] = "\n".join(errs) if errs else None
-    if pending:
-        for name in out:
-            out[name] = out[name] or f"workers did not report (crash or timeout); exit codes {[p.exitcode for p in procs]}"
+    for name, n in reports.items():
+        if n < world and not out[name]:
+            out[name] = f"{world - n} rank(s) did not report (crash or timeout); exit codes {[p.exitcode for p in procs]}"
     return out

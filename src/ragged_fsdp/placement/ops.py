@@ -50,7 +50,7 @@ _FOREACH_NORM = {aten._foreach_norm.Scalar}
 _REDUCTIONS = {
     aten.linalg_vector_norm.default, aten.sum.default, aten.sum.dim_IntList,
     aten.max.default, aten.min.default, aten.amax.default, aten.amin.default,
-    aten.mean.default, aten.mean.dim,
+    aten.mean.default, aten.mean.dim, aten.any.default, aten.all.default,
 }
 
 
@@ -242,6 +242,10 @@ def _reduce(func, args, kwargs):
         ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
         dtype = kwargs.get("dtype")
         return _replicated(_norms([local], ord_, group, dtype)[0], self)
+    if name in ("any", "all"):
+        v = torch.tensor(int(bool(local.any() if name == "any" else local.all())), device=local.device)
+        dist.all_reduce(v, op=dist.ReduceOp.MAX if name == "any" else dist.ReduceOp.MIN, group=group)
+        return _replicated(v.bool(), self)
     if name in ("max", "min", "amax", "amin"):
         is_max = name in ("max", "amax")
         ident = float("-inf") if is_max else float("inf")
