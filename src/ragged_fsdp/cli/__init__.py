@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # subcommand name -> module under ragged_fsdp.cli
-SUBCOMMANDS = {"plan": "plan"}
+SUBCOMMANDS = {"plan": "plan", "demo": "demo"}
 
 
 def main(argv: list[str] | None = None) -> int:

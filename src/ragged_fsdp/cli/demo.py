@@ -1,0 +1,30 @@
+"""`demo`: train the reference model on 2 CPU ranks (torchrun) with ragged_fsdp and FSDP2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("demo", help="train on CPU ranks with ragged_fsdp, then FSDP2; compare")
+    p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--out", default="out/demo")
+
+
+def run(args) -> int:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+        "-m", "ragged_fsdp.train", "--steps", str(args.steps), "--optimizer", args.optimizer, "--out", args.out,
+    ]
+    if args.data:
+        cmd += ["--data", args.data]
+    env_note = "OMP_NUM_THREADS=1"
+    print(f"$ {env_note} torchrun --standalone --nproc_per_node={args.nproc} -m ragged_fsdp.train ...", flush=True)
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.call(cmd, env=env)

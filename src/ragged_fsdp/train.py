@@ -1,0 +1,218 @@
+"""The demo: train the reference LLaMA-style model on CPU ranks with ragged_fsdp, then the
+same run with torch's FSDP2, and compare. Launched by ``python -m ragged_fsdp demo``
+(which calls torchrun); run directly with ``torchrun --nproc_per_node 2 -m ragged_fsdp.train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from .data import VOCAB_SIZE, Batches, load_tokens
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    seq_len: int = 128
+    global_batch: int = 16
+    lr: float = 3e-3
+    warmup: int = 20
+    dim: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    hidden: int = 352
+    optimizer: str = "adamw"
+    data: str | None = None
+    out: str = "out/demo"
+    seed: int = 0
+    frameworks: tuple[str, ...] = field(default_factory=lambda: ("ragged_fsdp", "fsdp2"))
+
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    from .models.llama import Llama, LlamaConfig
+
+    mcfg = LlamaConfig(
+        vocab_size=VOCAB_SIZE, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
+        n_kv_heads=cfg.kv_heads, hidden_dim=cfg.hidden, max_seq_len=cfg.seq_len,
+    )
+    torch.manual_seed(cfg.seed)
+    return Llama(mcfg)
+
+
+def shard(model: torch.nn.Module, framework: str, mesh, granularity_fn=None) -> torch.nn.Module:
+    """Wrap each transformer block, then the root, as FSDP users do."""
+    if framework == "ragged_fsdp":
+        from . import fully_shard
+
+        kw = {"granularity_fn": granularity_fn} if granularity_fn else {}
+    elif framework == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        kw = {}
+    else:
+        raise ValueError(f"framework={framework!r}: expected 'ragged_fsdp' or 'fsdp2'")
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def build_optimizer(name: str, model: torch.nn.Module, lr: float):
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)), None
+    from . import optim as ropt
+
+    if name == "adamw8bit":
+        return ropt.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)), ropt.AdamW8bit.granularity
+    if name == "muon":
+        groups = ropt.muon_param_groups(model, adamw_lr=lr)
+        return ropt.Muon(groups, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"), ropt.Muon.granularity
+    raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
+
+
+def granularity_for(name: str):
+    if name == "adamw":
+        return None
+    from . import optim as ropt
+
+    return {"adamw8bit": ropt.AdamW8bit.granularity, "muon": ropt.Muon.granularity}[name]
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard(build_model(cfg), framework, mesh, granularity_for(cfg.optimizer))
+    opt, _ = build_optimizer(cfg.optimizer, model, cfg.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
+    tokens_per_step = cfg.global_batch * cfg.seq_len
+    losses, times = [], []
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"{framework:>11}", dynamic_ncols=True)
+
+    def step(i: int) -> float:
+        x, y = batches.local_batch_at(i, rank, world)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        out = loss.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.AVG)
+        return out.item()
+
+    for i in range(cfg.steps):
+        t0 = time.perf_counter()
+        loss = step(i)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss)
+        if bar is not None:
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / times[-1]:,.0f}", rss_mib=f"{_rss_mib():.0f}")
+            bar.update()
+    if bar is not None:
+        bar.close()
+    peak = _peak_tracked_bytes(lambda: step(cfg.steps), model, opt)
+    return {"framework": framework, "losses": losses, "step_s_median": statistics.median(times[5:] or times),
+            "peak_tracked_bytes": peak}
+
+
+def _peak_tracked_bytes(step_fn, model, opt) -> int:
+    """Peak live tensor bytes of one step, from torch's MemTracker."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mt = MemTracker()
+    mt.track_external(model, opt)
+    with mt:
+        step_fn()
+    snap = mt.get_tracker_snapshot("peak")
+    return int(sum(dev.get("Total", 0) for dev in snap.values()))
+
+
+def report(cfg: TrainConfig, results: list[dict]) -> None:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = results[-1]
+    rows = []
+    for r in results:
+        rows.append((
+            r["framework"], f"{r['step_s_median'] * 1e3:.1f}", f"{r['step_s_median'] / base['step_s_median']:.2f}",
+            f"{r['peak_tracked_bytes'] / 2**20:.1f}", f"{r['peak_tracked_bytes'] / base['peak_tracked_bytes']:.2f}",
+            f"{r['losses'][0]:.3f}", f"{r['losses'][-1]:.3f}",
+        ))
+    head = ("framework", "median step ms", f"vs {base['framework']}", "peak tracked MiB",
+            f"vs {base['framework']}", "first loss", "last loss")
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    print()
+    print(line(head))
+    for row in rows:
+        print(line(row))
+    (out / "results.json").write_text(json.dumps({"config": asdict(cfg), "results": results}, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for r in results:
+            ax.plot(r["losses"], label=r["framework"], linewidth=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (cross-entropy, bytes)")
+        ax.set_title(f"LLaMA-style model, {dist.get_world_size()} CPU ranks, {cfg.optimizer}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "loss.png", dpi=120)
+        print(f"\nwrote {out / 'loss.png'} and {out / 'results.json'}")
+    except ImportError:
+        print(f"\nwrote {out / 'results.json'} (install matplotlib for the loss curve)")
+
+
+def parse(argv=None) -> TrainConfig:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--out", default=d.out)
+    p.add_argument("--frameworks", default=",".join(d.frameworks))
+    a = p.parse_args(argv)
+    return TrainConfig(steps=a.steps, data=a.data, optimizer=a.optimizer, out=a.out,
+                       frameworks=tuple(a.frameworks.split(",")))
+
+
+def main(argv=None) -> None:
+    cfg = parse(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    batches = Batches(load_tokens(cfg.data), cfg.seq_len, cfg.global_batch, cfg.seed)
+    results = [train_one(cfg, fw, mesh, batches) for fw in cfg.frameworks]
+    if dist.get_rank() == 0:
+        report(cfg, results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
