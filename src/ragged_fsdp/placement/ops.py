@@ -29,7 +29,7 @@ aten = torch.ops.aten
 
 # Ops that act element by element or only on metadata we keep, beyond those tagged pointwise.
 _LOCAL_OPS = {
-    aten.detach.default, aten.alias.default, aten.clone.default,
+    aten.detach.default, aten.detach_.default, aten.alias.default, aten.clone.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
     aten.full_like.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default,
     aten._to_copy.default, aten.copy_.default, aten.lerp_.Scalar, aten.lerp_.Tensor,
@@ -45,6 +45,7 @@ _RANDOM_OPS = {
     aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
     aten.randint_like.low_dtype,
 }
+_NEW_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 _BOOL_OPS = {aten.equal.default, aten.is_same_size.default}
 _FOREACH_NORM = {aten._foreach_norm.Scalar}
 _REDUCTIONS = {
@@ -72,6 +73,9 @@ def dispatch(func, args, kwargs):
         return _foreach_norm(args, kwargs)
     if func is aten.copy_.default and not isinstance(args[1], RaggedDTensor):
         return _copy_from_full(args[0], args[1])
+    if func in _NEW_OPS:
+        # new_* take an explicit size, so the result is an ordinary tensor, not a layout.
+        return func(args[0]._local_tensor, *args[1:], **kwargs)
     if func in _BOOL_OPS:
         return _bool_op(func, args, kwargs)
     if _is_local_op(func):
