@@ -11,6 +11,7 @@ data-parallel layout; a second sharded mesh dim is future work).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -76,7 +77,12 @@ def expected_local_shape(spec: DTensorSpec) -> tuple[int, ...]:
 
 def element_ranges(spec: DTensorSpec) -> tuple[tuple[int, int], ...]:
     d = ragged_dim(spec.placements)
-    return spec.placements[d].element_ranges(spec.shape)
+    return _ranges(spec.placements[d], tuple(spec.shape))
+
+
+@functools.lru_cache(maxsize=65536)
+def _ranges(placement: RaggedShard, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return placement.element_ranges(shape)
 
 
 def spec_mismatch(a: DTensorSpec, b: DTensorSpec) -> str | None:
@@ -84,6 +90,8 @@ def spec_mismatch(a: DTensorSpec, b: DTensorSpec) -> str | None:
 
     Layouts are compared by element range per rank, not by the placement's fields, so
     ``rows:8`` and an equivalent flat-block placement are the same layout."""
+    if a is b or (a.placements == b.placements and a.shape == b.shape and a.mesh is b.mesh):
+        return None  # the common case (a param, its grad and its optimizer states)
     if a.mesh != b.mesh:
         return f"meshes differ ({a.mesh} vs {b.mesh})"
     if tuple(a.shape) != tuple(b.shape):
