@@ -1,0 +1,190 @@
+"""How a parameter is laid out over ranks, as the optimizers need it.
+
+Every layout the optimizers accept gives each rank one contiguous run of the row-major
+flattened tensor:
+
+* a plain tensor (unsharded module): one "rank" holding everything, no process group;
+* a RaggedDTensor: the RaggedShard's element ranges on its mesh dimension (other mesh dims
+  are Replicate, so each replica does the same work);
+* a torch DTensor with ``Shard(0)`` on one mesh dim (FSDP2) — contiguous chunks too —, or
+  all-Replicate (every rank holds everything, treated as unsharded).
+
+``Layout`` keeps the element ranges, the process group of the sharded mesh dim and this
+rank's index in it, and builds state tensors of the same kind as the parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..placement.dtensor import RaggedDTensor, ragged_dim, wrap
+from ..placement.ragged_shard import RaggedShard
+
+__all__ = ["Layout", "layout_of", "local_of", "param_name"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]  # element range of each rank of the sharded dim
+    rank: int  # this rank's index on the sharded mesh dim (0 when unsharded)
+    group: object | None  # process group of the sharded mesh dim; None when unsharded
+    kind: str  # "plain" | "ragged" | "shard0" | "replicate"
+    mesh: object | None = None
+    mesh_dim: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def world(self) -> int:
+        return len(self.ranges)
+
+    @property
+    def sharded(self) -> bool:
+        return self.group is not None and self.world > 1
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        return self.ranges[self.rank]
+
+    def key(self):
+        """Hashable identity of the layout (for plan caches)."""
+        return (self.shape, self.ranges, self.rank, self.kind, id(self.group))
+
+    def holder(self, start: int, end: int) -> int | None:
+        """The rank whose run holds all of ``[start, end)``, or None if it is split."""
+        for r, (a, b) in enumerate(self.ranges):
+            if a <= start and end <= b and b > a:
+                return r
+        return None
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a (Ragged)DTensor, or the tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def layout_of(p: torch.Tensor, what: str = "parameter") -> Layout:
+    shape = tuple(int(s) for s in p.shape)
+    n = math.prod(shape)
+    if isinstance(p, RaggedDTensor):
+        spec = p._spec
+        d = ragged_dim(spec.placements)
+        place: RaggedShard = spec.placements[d]
+        mesh = spec.mesh
+        return Layout(shape, tuple(place.element_ranges(shape)), mesh.get_local_rank(d),
+                      mesh.get_group(d), "ragged", mesh, d)
+    if isinstance(p, DTensor):
+        placements = tuple(p.placements)
+        mesh = p.device_mesh
+        if all(isinstance(q, Replicate) for q in placements):
+            return Layout(shape, ((0, n),), 0, None, "replicate", mesh, None)
+        sharded = [i for i, q in enumerate(placements) if not isinstance(q, Replicate)]
+        if len(sharded) == 1 and isinstance(placements[sharded[0]], Shard) and placements[sharded[0]].dim == 0:
+            d = sharded[0]
+            from ..placement.redistribute import chunk_ranges
+
+            world = mesh.size(d)
+            return Layout(shape, tuple(chunk_ranges(shape, world)), mesh.get_local_rank(d),
+                          mesh.get_group(d), "shard0", mesh, d)
+        raise ValueError(
+            f"{what} of shape {shape} is a DTensor with placements {placements}; the optimizer "
+            "needs each rank to hold one contiguous run: use RaggedShard (ragged_fsdp.fully_shard), "
+            "Shard(0) on one mesh dim, or Replicate"
+        )
+    return Layout(shape, ((0, n),), 0, None, "plain")
+
+
+def like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Wrap ``local`` (this rank's run, any dtype) as a tensor of ``p``'s kind and layout."""
+    if isinstance(p, RaggedDTensor):
+        return wrap(local.view(p._local_tensor.shape), p._spec)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local.view(p._local_tensor.shape), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+    return local.view(p.shape)
+
+
+def blocks_like(local: torch.Tensor, p: torch.Tensor, lay: Layout, block: int) -> torch.Tensor:
+    """Wrap per-block values ``local`` (this rank's blocks) as a tensor over all blocks of
+    ``p``: a RaggedDTensor over blocks when ``p`` is sharded, else a plain tensor."""
+    if lay.kind in ("plain", "replicate"):
+        return local
+    from ..placement.api import from_local
+
+    units = tuple(-(-(b - a) // block) for a, b in lay.ranges)
+    nb = -(-lay.numel // block)
+    placements = [Replicate()] * lay.mesh.ndim
+    placements[lay.mesh_dim] = RaggedShard((0,), units, 1)
+    return from_local(local, lay.mesh, placements, shape=(nb,))
+
+
+def param_name(group: dict, index: int, p: torch.Tensor, group_index: int | None = None) -> str:
+    """A readable name for error messages: the group's param_names entry when the optimizer
+    was given named parameters, else its position and shape."""
+    names = group.get("param_names")
+    if names is not None and index < len(names):
+        return repr(names[index])
+    where = f"group {group_index}, " if group_index is not None else ""
+    return f"#{index} ({where}shape {tuple(p.shape)})"
+
+
+def _placements_for(lay: Layout, p: torch.Tensor, per_block: int | None):
+    """Placements of a state tensor: ``p``'s own, or RaggedShard over blocks."""
+    if per_block is None:
+        return tuple(p.placements)
+    units = tuple(-(-(b - a) // per_block) for a, b in lay.ranges)
+    placements = [Replicate()] * lay.mesh.ndim
+    placements[lay.mesh_dim] = RaggedShard((0,), units, 1)
+    return tuple(placements)
+
+
+def place_state(value, p: torch.Tensor, lay: Layout, name: str, key: str, per_block: int | None = None):
+    """Lay a loaded state tensor out like the optimizer would have made it.
+
+    ``value`` may be a tensor of the state's global shape (a full state dict: this rank keeps
+    its slice, no communication), a DTensor of any layout on the parameter's mesh (a resharded
+    checkpoint: redistributed), or already in place. ``per_block`` marks per-block states
+    (one entry per ``per_block`` elements of ``p``). The dtype of ``value`` is kept.
+    """
+    if not isinstance(value, torch.Tensor):
+        return value
+    if per_block is None:
+        gshape = tuple(p.shape)
+    else:
+        gshape = (-(-lay.numel // per_block),)
+    if tuple(value.shape) != gshape:
+        raise ValueError(
+            f"load_state_dict: state {key!r} of parameter {name} has shape {tuple(value.shape)}, "
+            f"expected {gshape}; the checkpoint was saved for another model or optimizer setting"
+        )
+    if lay.kind in ("plain", "replicate"):
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if lay.kind == "replicate":
+            return DTensor.from_local(full.clone(), p.device_mesh, p.placements, run_check=False)
+        return full
+    placements = _placements_for(lay, p, per_block)
+    if isinstance(value, DTensor):
+        if value.device_mesh != lay.mesh:
+            full = value.full_tensor()
+        else:
+            from ..placement.redistribute import redistribute
+
+            if tuple(value.placements) == placements:
+                return value
+            return redistribute(value, lay.mesh, placements)
+    else:
+        full = value
+    if per_block is None:
+        a, b = lay.local_range
+        local = full.reshape(-1)[a:b].clone()
+        return like_param(local, p)
+    a, b = lay.local_range
+    lo, hi = a // per_block, -(-b // per_block) if b > a else a // per_block
+    return blocks_like(full.reshape(-1)[lo:hi].clone(), p, lay, per_block)

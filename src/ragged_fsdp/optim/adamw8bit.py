@@ -1,0 +1,218 @@
+"""AdamW with block-wise 8-bit states, computed on each rank's own blocks.
+
+States of a tensor with at least ``min_8bit_size`` elements (its *global* size, so the choice
+is the same at every world size) are stored block-wise quantised (Dettmers et al., "8-bit
+Optimizers via Block-wise Quantization", 2021): ``block_size``-element blocks starting at the
+tensor's first element (the last block may be partial), one float32 absmax per block, a uint8
+code per element; the first moment uses the signed dynamic map, the second the unsigned one
+(:mod:`ragged_fsdp.optim.quant`; two shared 256-entry tables, not per-parameter state).
+Smaller tensors keep float32 states.
+
+Each step, per parameter: dequantise the states of this rank's blocks, run torch's AdamW
+update on this rank's elements (``torch.optim.adamw.adamw``, single-tensor path: decoupled
+weight decay, bias corrections, the same rounding as ``torch.optim.AdamW``), quantise the new
+states (absmax of the new values per block, nearest code). As long as the layout never cuts a
+block, every block is dequantised, updated and quantised exactly as on one device: parameters
+and states are the same bits at every world size. A layout that cuts a block is rejected with
+an error that names the parameter and the fix (``granularity_fn=AdamW8bit.granularity``).
+
+State (``opt.state[p]``, DTensors for sharded parameters so checkpoints can reshard them):
+
+* ``step``: float32 scalar tensor;
+* 8-bit tensors: ``exp_avg_codes`` / ``exp_avg_sq_codes`` (uint8, the parameter's layout) and
+  ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, one per block; a RaggedDTensor over
+  blocks when sharded);
+* small tensors: ``exp_avg`` / ``exp_avg_sq`` (float32, the parameter's layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _torch_adamw
+
+from ._layout import Layout, blocks_like, layout_of, like_param, local_of, param_name
+from .muon import _load_resharded
+from .quant import dequantize_blockwise, num_blocks, quantize_blockwise, signed_map, unsigned_map
+from .routing import adamw8bit_granularity, check_finite
+
+__all__ = ["AdamW8bit", "state_bytes"]
+
+_BLOCK_KEYS = ("exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+class AdamW8bit(Optimizer):
+    """AdamW with block-wise 8-bit first and second moments.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (default 1e-3).
+        betas: moment coefficients (default (0.9, 0.999)).
+        eps: added to the denominator (default 1e-8).
+        weight_decay: decoupled weight decay, as AdamW (default 1e-2).
+        block_size: elements per quantisation block (default 256).
+        min_8bit_size: tensors with fewer elements (global count) keep fp32 states (default 4096).
+
+    ``AdamW8bit.granularity`` is the ``granularity_fn`` for ``fully_shard`` that keeps the
+    default blocks whole (``"block:256"`` for tensors of >= 4096 elements, else ``None``);
+    ``AdamW8bit.granularity_for(block_size, min_8bit_size)`` gives it for other settings.
+    """
+
+    granularity: Callable = staticmethod(adamw8bit_granularity(256, 4096))
+    granularity_for = staticmethod(adamw8bit_granularity)
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, block_size: int = 256,
+                 min_8bit_size: int = 4096) -> None:
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                    "block_size": block_size, "min_8bit_size": min_8bit_size}
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
+        group = self.param_groups[-1]
+        self._check_group(group, gi)
+        for i, p in enumerate(group["params"]):
+            if torch.is_complex(p) or not p.is_floating_point():
+                raise ValueError(f"AdamW8bit: parameter {param_name(group, i, p, gi)} has dtype "
+                                 f"{p.dtype}; only real floating-point parameters are supported")
+            lay = layout_of(p, f"AdamW8bit parameter {param_name(group, i, p, gi)}")
+            self._check_blocks(p, lay, group, param_name(group, i, p, gi))
+
+    def _check_group(self, group: dict, gi: int) -> None:
+        where = f"AdamW8bit param group {gi}"
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"{where}: betas={betas} must be two numbers")
+        check_finite(where, lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"],
+                     **{"betas[0]": betas[0], "betas[1]": betas[1]})
+        for i, b in enumerate(betas):
+            if not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"{where}: betas[{i}]={b} must be in [0, 1)")
+        bs, mn = group["block_size"], group["min_8bit_size"]
+        if not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"{where}: block_size={bs!r} must be an integer >= 1")
+        if not isinstance(mn, int) or mn < 0:
+            raise ValueError(f"{where}: min_8bit_size={mn!r} must be an integer >= 0")
+
+    @staticmethod
+    def _eight_bit(lay: Layout, group: dict) -> bool:
+        return lay.numel >= group["min_8bit_size"]
+
+    def _check_blocks(self, p, lay: Layout, group: dict, name: str) -> None:
+        """Every rank's run must start on a block edge and end on one (or at the tensor's end)."""
+        if not self._eight_bit(lay, group) or lay.kind in ("plain", "replicate"):
+            return
+        bs = group["block_size"]
+        for r, (a, b) in enumerate(lay.ranges):
+            if b <= a:
+                continue
+            cut = a if a % bs else (b if b % bs and b != lay.numel else None)
+            if cut is not None:
+                raise ValueError(
+                    f"AdamW8bit: parameter {name} (shape {lay.shape}, {lay.numel} elements) is laid "
+                    f"out so that rank {r} holds elements [{a}, {b}), cutting a {bs}-element "
+                    f"quantisation block at element {cut}. Shard the model with "
+                    "fully_shard(..., granularity_fn=AdamW8bit.granularity) (or "
+                    f"AdamW8bit.granularity_for(block_size={bs}, min_8bit_size={group['min_8bit_size']})) "
+                    "so blocks stay whole, or raise min_8bit_size above this tensor's size to keep "
+                    "its states in fp32"
+                )
+
+    # -- step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, gi)
+            beta1, beta2 = group["betas"]
+            kw = dict(foreach=False, fused=False, amsgrad=False, beta1=beta1, beta2=beta2,
+                      lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=False)
+            bs = group["block_size"]
+            small = ([], [], [], [], [])
+            copy_back = []
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                name = param_name(group, i, p, gi)
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"AdamW8bit: parameter {name} has a sparse gradient")
+                lay = layout_of(p, f"AdamW8bit parameter {name}")
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(p, lay, group, name)
+                pl, gl = local_of(p), local_of(p.grad)
+                if gl.shape != pl.shape:
+                    raise ValueError(f"AdamW8bit: gradient of {name} has local shape {tuple(gl.shape)}, "
+                                     f"the parameter {tuple(pl.shape)}; they must share a layout")
+                # fp32 math (and fp32 states) for low-precision parameters, as bitsandbytes does
+                p32 = pl if pl.dtype == torch.float32 else pl.float()
+                g32 = gl if gl.dtype == torch.float32 else gl.float()
+                if p32 is not pl:
+                    copy_back.append((pl, p32))
+                if "exp_avg" in state:  # fp32 states
+                    for lst, t in zip(small, (p32, g32, local_of(state["exp_avg"]),
+                                              local_of(state["exp_avg_sq"]), state["step"])):
+                        lst.append(t)
+                    continue
+                self._check_blocks(p, lay, group, name)
+                m_codes, v_codes = local_of(state["exp_avg_codes"]), local_of(state["exp_avg_sq_codes"])
+                m_absmax, v_absmax = local_of(state["exp_avg_absmax"]), local_of(state["exp_avg_sq_absmax"])
+                smap, umap = signed_map(pl.device), unsigned_map(pl.device)
+                m = dequantize_blockwise(m_codes, m_absmax, smap, bs).view(pl.shape)
+                v = dequantize_blockwise(v_codes, v_absmax, umap, bs).view(pl.shape)
+                _torch_adamw([p32], [g32], [m], [v], [], [state["step"]], **kw)
+                quantize_blockwise(m, smap, bs, codes_out=m_codes, absmax_out=m_absmax)
+                quantize_blockwise(v, umap, bs, codes_out=v_codes, absmax_out=v_absmax)
+            if small[0]:
+                _torch_adamw(*small[:4], [], small[4], **kw)
+            for pl, p32 in copy_back:
+                pl.copy_(p32)
+        return loss
+
+    def _init_state(self, p, lay: Layout, group: dict, name: str) -> None:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        pl = local_of(p)
+        if not self._eight_bit(lay, group):
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+            return
+        self._check_blocks(p, lay, group, name)
+        bs = group["block_size"]
+        nb = num_blocks(pl.numel(), bs)
+        zero_signed = int(torch.searchsorted(signed_map(), torch.tensor(0.0)))
+        for key, zero in (("exp_avg", zero_signed), ("exp_avg_sq", 0)):
+            codes = torch.full(pl.shape, zero, dtype=torch.uint8, device=pl.device)
+            state[f"{key}_codes"] = like_param(codes, p)
+            state[f"{key}_absmax"] = blocks_like(torch.zeros(nb, dtype=torch.float32, device=pl.device), p, lay, bs)
+
+    # -- state dict ------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict whose tensors may be full tensors (any world size) or DTensors of
+        any layout on the parameters' meshes; codes stay uint8, absmax stays per block."""
+        block_of = {}
+        for g in self.param_groups:
+            block_of.setdefault("bs", g["block_size"])
+        bs = block_of.get("bs", 256)
+        if any(g["block_size"] != bs for g in self.param_groups):
+            raise NotImplementedError("AdamW8bit.load_state_dict: groups with different block sizes")
+        _load_resharded(self, state_dict, lambda key: bs if key in _BLOCK_KEYS else None)
+
+
+def state_bytes(opt: Optimizer) -> int:
+    """Bytes of optimizer state tensors held by this rank (local pieces of DTensors)."""
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                t = local_of(v)
+                total += t.numel() * t.element_size()
+    return total

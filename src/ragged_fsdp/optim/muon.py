@@ -1,0 +1,576 @@
+"""Distributed Muon that gives the same bits as single-device ``torch.optim.Muon``.
+
+Muon (Jordan et al., 2024) orthogonalises the momentum of each hidden weight matrix with a
+few Newton-Schulz iterations. Newton-Schulz needs the *whole* matrix, so on sharded
+parameters this optimizer picks one **owner rank per matrix**, moves the pieces of the
+(momentum-updated) gradient to the owner, runs Newton-Schulz there once, and sends each rank
+its slice of the result:
+
+1. momentum (``buf.lerp_(grad, 1 - momentum)``) and the Nesterov blend are pointwise, so each
+   rank does them on its own elements;
+2. owners are chosen once per layout to balance Newton-Schulz flops over the ranks (largest
+   first onto the least-loaded rank, ties to the rank that already holds most of the matrix);
+   a matrix that the layout keeps whole on one rank is owned by that rank and never moves;
+3. per param group, one all-to-all carries every piece to its owner (in bf16: torch's
+   Newton-Schulz starts by casting to bf16, so casting first is exact and halves the bytes),
+   owners run Newton-Schulz, one all-to-all carries the results back; when no matrix of the
+   group is split, there is no collective at all;
+4. the decoupled weight decay and the update are pointwise again.
+
+The owner runs the same operations as ``torch.optim.Muon`` on the same full matrix, and the
+pointwise steps give the same bits on any slice, so parameters match single-device Muon bit
+for bit at every world size (``tests/test_optim_dist.py``). Bitwise equality also assumes the
+same CPU kernels and thread count on both sides (the bf16 matmuls of Newton-Schulz must take
+the same path); across machines expect rounding-level differences.
+
+Tensors with more than two dims (fused experts ``(E, H, I)``) are a batch of matrices over the
+leading dims; each ``(H, I)`` matrix is orthogonalised on its own (with its own owner) and the
+learning-rate adjustment uses ``(H, I)``. 1-D tensors are rejected in Muon groups.
+
+Routing is explicit: a param group with ``use_muon=False`` runs AdamW (torch's own AdamW
+math on each rank's elements, with AdamW's defaults for keys the group leaves out).
+:func:`ragged_fsdp.optim.muon_param_groups` builds the usual split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+from torch.optim.adamw import adamw as _torch_adamw
+
+from ._layout import Layout, layout_of, local_of, param_name, place_state
+from .routing import check_finite, muon_granularity
+
+__all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "adjust_lr", "ADAMW_DEFAULTS"]
+
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+DEFAULT_EPS = 1e-7
+DEFAULT_NS_STEPS = 5
+ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+_ADJUST_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    matrix: torch.Tensor,
+    coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+    steps: int = DEFAULT_NS_STEPS,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """Approximately orthogonalise a 2-D matrix with ``steps`` quintic Newton-Schulz iterations
+    in bf16 (the operation sequence of ``torch.optim.Muon``, so results match it bitwise).
+
+    Works on the wide orientation (``rows <= cols``): ``X <- a X + (b A + c A A) X`` with
+    ``A = X X^T`` after scaling ``X`` to unit Frobenius norm. Returns a bf16 tensor of the input's
+    shape (possibly a transposed view). The input is not modified.
+    """
+    if matrix.dim() != 2:
+        raise ValueError(f"newton_schulz: expected a matrix, got shape {tuple(matrix.shape)}")
+    if steps >= 100:
+        raise ValueError("newton_schulz: ns_steps must be < 100")
+    a, b, c = coefficients
+    x = matrix.bfloat16()
+    if x is matrix:  # already bf16: work on a copy, never on the caller's tensor
+        x = x.clone()
+    tall = matrix.size(0) > matrix.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x.T if tall else x
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> int:
+    """Multiply-add flops (2 per MAC) of :func:`newton_schulz` on a ``rows x cols`` matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    # X X^T: m*m*n MACs; A A: m^3; (.) X: m*m*n.
+    return steps * 2 * (2 * m * m * n + m * m * m)
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Muon's per-shape learning rate: ``"original"`` (default) scales by
+    ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))``."""
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+def _scalar(x) -> float:
+    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+
+
+# -- owner plan --------------------------------------------------------------------------
+
+@dataclass
+class _Matrix:
+    slot: int  # index of the parameter in the group's list of params with grads
+    start: int  # element range inside the parameter's flat tensor
+    end: int
+    rows: int
+    cols: int
+    flops: int
+    owner: int = 0
+    # per rank: (start, end) of this matrix held by the rank, clipped to the matrix
+    pieces: tuple = ()
+
+
+@dataclass
+class _Batch:
+    """The matrices of one param group that share one process group (or none: unsharded)."""
+
+    group: object | None
+    rank: int
+    world: int
+    matrices: list = field(default_factory=list)
+    needs_comm: bool = False
+    send_split: list = field(default_factory=list)  # elements sent to each rank (forward)
+    recv_split: list = field(default_factory=list)
+
+
+@dataclass
+class _Plan:
+    batches: list
+    loads: dict  # id(group) -> per-rank Newton-Schulz flops
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    allgather_bytes_sent: int = 0
+
+
+def _matrices_of(slot: int, lay: Layout, steps: int) -> list[_Matrix]:
+    shape = lay.shape
+    rows, cols = shape[-2], shape[-1]
+    size = rows * cols
+    count = math.prod(shape[:-2])
+    if size == 0:
+        return []
+    flops = newton_schulz_flops(rows, cols, steps)
+    out = []
+    for k in range(count):
+        s, e = k * size, (k + 1) * size
+        pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in lay.ranges)
+        out.append(_Matrix(slot, s, e, rows, cols, flops, pieces=pieces))
+    return out
+
+
+def _assign_owners(batches: list[_Batch]) -> dict:
+    """Balance Newton-Schulz flops per process group: fixed owners first (matrices held
+    whole by one rank), then the rest largest first onto the least-loaded rank."""
+    loads: dict = {}
+    free: dict = {}
+    for bi, batch in enumerate(batches):
+        key = id(batch.group)
+        load = loads.setdefault(key, [0] * batch.world)
+        for m in batch.matrices:
+            holders = [r for r, (a, b) in enumerate(m.pieces) if b > a]
+            if batch.group is None or len(holders) == 1:
+                m.owner = holders[0] if batch.group is not None else 0
+                load[m.owner] += m.flops
+            else:
+                free.setdefault(key, []).append((bi, m))
+    for key, items in free.items():
+        load = loads[key]
+        order = sorted(range(len(items)), key=lambda i: (-items[i][1].flops, i))
+        for i in order:
+            _, m = items[i]
+            held = [b - a for a, b in m.pieces]
+            m.owner = min(range(len(load)), key=lambda r: (load[r], -held[r], r))
+            load[m.owner] += m.flops
+    return loads
+
+
+def _finish_batch(batch: _Batch, elem_bytes: int = 2) -> tuple[int, int, int]:
+    me, world = batch.rank, batch.world
+    send = [0] * world
+    recv = [0] * world
+    moved = False
+    for m in batch.matrices:
+        for r, (a, b) in enumerate(m.pieces):
+            n = b - a
+            if n and r != m.owner:
+                moved = True
+                if r == me:
+                    send[m.owner] += n
+                if m.owner == me:
+                    recv[r] += n
+    batch.send_split, batch.recv_split, batch.needs_comm = send, recv, moved
+    # this rank's bytes: pieces out + results in, and (as owner) pieces in + results out
+    sent = (sum(send) + sum(recv)) * elem_bytes
+    local_total = sum(m.pieces[me][1] - m.pieces[me][0] for m in batch.matrices) if batch.group is not None else 0
+    allgather = (world - 1) * local_total * elem_bytes
+    return sent, sent, allgather
+
+
+# -- the optimizer -----------------------------------------------------------------------
+
+class Muon(Optimizer):
+    """Muon for hidden matrices, AdamW for groups with ``use_muon=False``; sharding-aware.
+
+    Arguments and defaults are those of ``torch.optim.Muon``:
+
+    Args:
+        params: parameters or param groups (named parameters give better error messages).
+            A group uses Muon unless it sets ``use_muon=False``.
+        lr: learning rate (default 1e-3).
+        weight_decay: decoupled weight decay (default 0.1).
+        momentum: momentum factor (default 0.95).
+        nesterov: Nesterov momentum (default True).
+        ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``.
+        eps: floor of the Frobenius norm before Newton-Schulz (default 1e-7).
+        ns_steps: Newton-Schulz iterations (default 5).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
+        adamw_defaults: defaults for ``use_muon=False`` groups; keys ``lr``, ``betas``, ``eps``,
+            ``weight_decay``, default ``torch.optim.AdamW``'s (1e-3, (0.9, 0.999), 1e-8, 1e-2).
+
+    After each step ``last_step_stats`` holds this rank's Newton-Schulz flops, the flops of
+    every rank, the bytes this rank sent, and what an all-gather-everything design would send.
+    """
+
+    granularity: Callable = staticmethod(muon_granularity)
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = DEFAULT_EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_defaults: dict | None = None,
+    ) -> None:
+        self._adamw_defaults = dict(ADAMW_DEFAULTS)
+        if adamw_defaults:
+            unknown = set(adamw_defaults) - set(ADAMW_DEFAULTS)
+            if unknown:
+                raise ValueError(f"Muon: adamw_defaults has unknown keys {sorted(unknown)}; "
+                                 f"known: {sorted(ADAMW_DEFAULTS)}")
+            self._adamw_defaults.update(adamw_defaults)
+        defaults = {
+            "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
+            "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn, "use_muon": True,
+        }
+        self._plan_cache: tuple | None = None
+        self.ns_calls = 0  # Newton-Schulz runs on this rank since construction
+        self.last_step_stats: dict = {}
+        super().__init__(params, defaults)
+
+    # -- groups ----------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        group = dict(param_group)
+        use_muon = group.get("use_muon", self.defaults.get("use_muon", True))
+        if not isinstance(use_muon, bool):
+            raise ValueError(f"Muon: use_muon={use_muon!r} must be True or False")
+        group["use_muon"] = use_muon
+        if not use_muon:
+            for k, v in self._adamw_defaults.items():
+                group.setdefault(k, v)
+        super().add_param_group(group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        self._check_group(group, gi)
+        for i, p in enumerate(group["params"]):
+            if torch.is_complex(p):
+                raise ValueError(f"Muon: parameter {param_name(group, i, p, gi)} is complex; "
+                                 "Muon and its AdamW groups support real tensors only")
+            if use_muon and p.dim() < 2:
+                raise ValueError(
+                    f"Muon: parameter {param_name(group, i, p, gi)} is {p.dim()}-D (shape "
+                    f"{tuple(p.shape)}); Newton-Schulz needs matrices. Put it in a param group "
+                    "with use_muon=False (AdamW), e.g. with ragged_fsdp.optim.muon_param_groups(model)"
+                )
+            layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+
+    def _check_group(self, group: dict, gi: int) -> None:
+        where = f"Muon param group {gi}"
+        if group["use_muon"]:
+            check_finite(where, lr=group["lr"], weight_decay=group["weight_decay"],
+                         momentum=group["momentum"], eps=group["eps"])
+            coeffs = group["ns_coefficients"]
+            if len(coeffs) != 3:
+                raise ValueError(f"{where}: ns_coefficients={coeffs} must be three numbers (a, b, c)")
+            check_finite(where, **{f"ns_coefficients[{i}]": c for i, c in enumerate(coeffs)})
+            steps = group["ns_steps"]
+            if not isinstance(steps, int) or not 0 <= steps < 100:
+                raise ValueError(f"{where}: ns_steps={steps!r} must be an integer in [0, 100)")
+            if group["adjust_lr_fn"] not in _ADJUST_FNS:
+                raise ValueError(f"{where}: adjust_lr_fn={group['adjust_lr_fn']!r} must be one of {_ADJUST_FNS}")
+        else:
+            betas = group["betas"]
+            if len(betas) != 2:
+                raise ValueError(f"{where} (AdamW): betas={betas} must be two numbers")
+            check_finite(where + " (AdamW)", lr=group["lr"], eps=group["eps"],
+                         weight_decay=group["weight_decay"], **{"betas[0]": betas[0], "betas[1]": betas[1]})
+            for i, b in enumerate(betas):
+                if not 0.0 <= _scalar(b) < 1.0:
+                    raise ValueError(f"{where} (AdamW): betas[{i}]={b} must be in [0, 1)")
+
+    # -- step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for gi, group in enumerate(self.param_groups):
+            self._check_group(group, gi)
+            if not group["use_muon"]:
+                self._adamw_group(group, gi)
+                continue
+            items = []
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                lay = layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+                self._check_grad(p, lay, group, i, gi)
+                items.append((i, p, lay))
+            work.append((gi, group, items))
+        plan = self._plan(work)
+        stats = {"ns_flops": 0, "ns_matrices": 0, "bytes_sent": plan.bytes_sent,
+                 "bytes_recv": plan.bytes_recv, "allgather_bytes_sent": plan.allgather_bytes_sent,
+                 "ns_flops_per_rank": _per_rank(plan.loads)}
+        for (gi, group, items), batches in zip(work, plan.batches):
+            self._muon_group(group, items, batches, stats)
+        self.last_step_stats = stats
+        return loss
+
+    def _check_grad(self, p, lay: Layout, group, i, gi):
+        g = p.grad
+        if g.is_sparse:
+            raise RuntimeError(f"Muon: parameter {param_name(group, i, p, gi)} has a sparse gradient")
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"Muon: gradient of {param_name(group, i, p, gi)} has shape "
+                             f"{tuple(g.shape)}, the parameter {tuple(p.shape)}")
+        if lay.kind != "plain":
+            glay = layout_of(g, "gradient")
+            if glay.ranges != lay.ranges:
+                raise ValueError(
+                    f"Muon: gradient of {param_name(group, i, p, gi)} is laid out {glay.ranges}, "
+                    f"the parameter {lay.ranges}; redistribute the gradient to the parameter's layout"
+                )
+
+    def _plan(self, work) -> _Plan:
+        key = tuple(
+            (gi, group["ns_steps"], tuple((i, id(p), lay.key()) for i, p, lay in items))
+            for gi, group, items in work
+        )
+        if self._plan_cache is not None and self._plan_cache[0] == key:
+            return self._plan_cache[1]
+        all_batches = []
+        for gi, group, items in work:
+            by_group: dict = {}
+            for slot, (i, p, lay) in enumerate(items):
+                grp = lay.group if lay.sharded else None
+                b = by_group.get(id(grp))
+                if b is None:
+                    b = by_group[id(grp)] = _Batch(grp, lay.rank if grp is not None else 0,
+                                                   lay.world if grp is not None else 1)
+                b.matrices.extend(_matrices_of(slot, lay, group["ns_steps"]))
+            all_batches.append(list(by_group.values()))
+        loads = _assign_owners([b for bs in all_batches for b in bs])
+        plan = _Plan(all_batches, loads)
+        for bs in all_batches:
+            for b in bs:
+                s, r, ag = _finish_batch(b)
+                plan.bytes_sent += s
+                plan.bytes_recv += r
+                plan.allgather_bytes_sent += ag
+        self._plan_cache = (key, plan)
+        return plan
+
+    def _muon_group(self, group, items, batches, stats):
+        lr = _scalar(group["lr"])
+        wd = group["weight_decay"]
+        momentum = group["momentum"]
+        # 1. momentum and Nesterov blend on local elements; the update in bf16 (flat)
+        updates = []
+        for i, p, lay in items:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = local_of(state["momentum_buffer"])
+            g = local_of(p.grad)
+            buf.lerp_(g, 1 - momentum)
+            upd = g.lerp(buf, momentum) if group["nesterov"] else buf
+            u = upd.reshape(-1).bfloat16()
+            if u.numel() and u.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
+                u = u.clone()  # a bf16 buffer without Nesterov: never overwrite the momentum
+            updates.append(u)
+        # Results overwrite the updates in place: every owned matrix is assembled (reading the
+        # local pieces) before any result is written back.
+        results = updates
+        # 2.-3. owners gather, orthogonalise, scatter back
+        for batch in batches:
+            self._orthogonalise(batch, items, updates, results, group, stats)
+        # 4. decoupled weight decay and the update, pointwise
+        for (i, p, lay), res in zip(items, results):
+            pl = local_of(p)
+            rows, cols = lay.shape[-2], lay.shape[-1]
+            pl.mul_(1 - lr * wd)
+            pl.add_(res.view(pl.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], rows, cols))
+
+    def _orthogonalise(self, batch: _Batch, items, updates, results, group, stats):
+        me, world = batch.rank, batch.world
+        coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
+        local_start = [lay.local_range[0] if batch.group is not None else 0 for _, _, lay in items]
+        mine = [m for m in batch.matrices if m.owner == me]
+        # forward: pieces to owners, ordered by destination then matrix order
+        recv_buf = None
+        if batch.needs_comm:
+            chunks = []
+            for d in range(world):
+                if d == me:
+                    continue
+                for m in batch.matrices:
+                    a, b = m.pieces[me]
+                    if m.owner == d and b > a:
+                        off = local_start[m.slot]
+                        chunks.append(updates[m.slot][a - off: b - off])
+            send = torch.cat(chunks) if chunks else updates[0].new_empty(0)
+            recv_buf = send.new_empty(sum(batch.recv_split))
+            _all_to_all(recv_buf, send, batch.recv_split, batch.send_split, batch.group)
+        # assemble owned matrices (pieces from each rank in rank order), run Newton-Schulz
+        recv_off = _offsets(batch.recv_split)
+        outs = {}
+        for m in mine:
+            size = m.end - m.start
+            full = updates[m.slot].new_empty(size)
+            for r, (a, b) in enumerate(m.pieces):
+                if b <= a:
+                    continue
+                if r == me:
+                    off = local_start[m.slot]
+                    full[a - m.start: b - m.start] = updates[m.slot][a - off: b - off]
+                else:
+                    full[a - m.start: b - m.start] = recv_buf[recv_off[r]: recv_off[r] + (b - a)]
+                    recv_off[r] += b - a
+            out = newton_schulz(full.view(m.rows, m.cols), coeffs, steps, eps)
+            outs[id(m)] = out.reshape(-1)
+            self.ns_calls += 1
+            stats["ns_flops"] += m.flops
+            stats["ns_matrices"] += 1
+        # backward: results to the ranks holding the pieces
+        if batch.needs_comm:
+            chunks = []
+            for d in range(world):
+                if d == me:
+                    continue
+                for m in mine:
+                    a, b = m.pieces[d]
+                    if b > a:
+                        chunks.append(outs[id(m)][a - m.start: b - m.start])
+            send = torch.cat(chunks) if chunks else updates[0].new_empty(0)
+            back = send.new_empty(sum(batch.send_split))
+            _all_to_all(back, send, batch.send_split, batch.recv_split, batch.group)
+            back_off = _offsets(batch.send_split)
+            for m in batch.matrices:
+                a, b = m.pieces[me]
+                if m.owner == me or b <= a:
+                    continue
+                off = local_start[m.slot]
+                o = back_off[m.owner]
+                results[m.slot][a - off: b - off] = back[o: o + (b - a)]
+                back_off[m.owner] += b - a
+        for m in mine:
+            a, b = m.pieces[me]
+            if b > a:
+                off = local_start[m.slot]
+                results[m.slot][a - off: b - off] = outs[id(m)][a - m.start: b - m.start]
+
+    # -- AdamW groups ----------------------------------------------------------------
+    def _adamw_group(self, group, gi):
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for i, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"Muon (AdamW group): parameter {param_name(group, i, p, gi)} has a sparse gradient")
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(local_of(p))
+            grads.append(local_of(p.grad))
+            exp_avgs.append(local_of(state["exp_avg"]))
+            exp_avg_sqs.append(local_of(state["exp_avg_sq"]))
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, fused=False,
+                     amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+    # -- state dict ------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict whose tensors may be full tensors (any world size) or DTensors of
+        any layout on the parameters' meshes: each is laid out like the parameter here."""
+        _load_resharded(self, state_dict, lambda key: None)
+
+
+def _per_rank(loads: dict):
+    """Per-rank Newton-Schulz flops of the widest process group (what a report shows)."""
+    if not loads:
+        return []
+    return list(max(loads.values(), key=len))
+
+
+def _offsets(split: list[int]) -> list[int]:
+    out, acc = [], 0
+    for s in split:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_split, in_split, group) -> None:
+    """all_to_all_single on raw bytes (gloo and NCCL move any dtype that way)."""
+    esz = inp.element_size()
+    dist.all_to_all_single(
+        out.view(torch.uint8), inp.contiguous().view(torch.uint8),
+        [s * esz for s in out_split], [s * esz for s in in_split], group=group,
+    )
+
+
+def _load_resharded(opt: Optimizer, state_dict: dict, per_block_of: Callable[[str], int | None]) -> None:
+    """Shared by both optimizers: load scalars through torch, then lay out every tensor state
+    (except ``step``) like its parameter, keeping the saved dtype."""
+    from itertools import chain
+
+    saved_state = state_dict["state"]
+    held: dict = {}
+    stripped: dict = {}
+    for pid, st in saved_state.items():
+        held[pid] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
+        stripped[pid] = {k: v for k, v in st.items() if k not in held[pid]}
+    sd = dict(state_dict)
+    sd["state"] = stripped
+    Optimizer.load_state_dict(opt, sd)
+    saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    names = chain.from_iterable(
+        [(g, i) for i in range(len(g["params"]))] for g in opt.param_groups
+    )
+    params = chain.from_iterable(g["params"] for g in opt.param_groups)
+    for sid, p, (g, i) in zip(saved_ids, params, names):
+        if sid not in held:
+            continue
+        lay = layout_of(p)
+        name = param_name(g, i, p)
+        for k, v in held[sid].items():
+            opt.state[p][k] = place_state(v, p, lay, name, k, per_block_of(k))

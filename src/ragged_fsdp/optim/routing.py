@@ -1,0 +1,168 @@
+"""Which parameters go to which optimizer, and what each optimizer needs kept whole.
+
+Granularity policies are functions ``fn(name, param) -> spec | None`` that
+``ragged_fsdp.fully_shard(module, mesh=..., granularity_fn=fn)`` asks for every parameter;
+a spec is a granularity string the planner parses (``"tensor"``, ``"rows:K"``,
+``"block:N"``), ``None`` means "no constraint" (element granularity):
+
+* :func:`muon_granularity` (``Muon.granularity``): ``"tensor"`` for a 2-D matrix (Newton-Schulz
+  needs the whole matrix; when the planner keeps it on one rank, that rank owns it and no byte
+  moves); ``"rows:H"`` for an ``(..., H, I)`` tensor of 3+ dims (fused experts: one block per
+  ``(H, I)`` matrix, the unit Muon orthogonalises); ``None`` for 0-D/1-D tensors (Muon does not
+  take them). Muon works with any layout (the owner gathers what is split); the granularity
+  only removes the communication.
+* :func:`adamw8bit_granularity` (``AdamW8bit.granularity``): ``"block:256"`` (the quantisation
+  block) for tensors with at least ``min_8bit_size`` (4096) elements, ``None`` for smaller
+  ones, which keep fp32 states. AdamW8bit *requires* this: a layout that cuts a block is an error.
+* :func:`combined_granularity`: the usual mix in one line — Muon's for the hidden matrices that
+  :func:`muon_param_groups` routes to Muon, AdamW8bit's for the rest::
+
+      fully_shard(block, mesh=mesh, granularity_fn=combined_granularity(model))
+
+Routing is never guessed from names: :func:`muon_param_groups` decides by module type and
+shape (``nn.Embedding`` weights, the output head and tensors with fewer than two dims go to
+AdamW; the other matrices to Muon), and the optimizers only follow ``use_muon`` flags.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = [
+    "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
+    "split_params", "check_finite",
+]
+
+GranularityFn = Callable[[str, torch.Tensor], "str | None"]
+
+
+def check_finite(where: str, **values) -> None:
+    """Raise a ValueError naming the first hyperparameter that is not a finite number >= 0
+    (coefficients named ``ns_coefficients[i]`` may be negative)."""
+    for name, v in values.items():
+        try:
+            x = float(v.item()) if isinstance(v, torch.Tensor) else float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {name}={v!r} is not a number; pass a finite float") from None
+        if not math.isfinite(x):
+            raise ValueError(f"{where}: {name}={v!r} is not finite; pass a finite float "
+                             "(check the learning-rate schedule or config that produced it)")
+        if x < 0 and not name.startswith("ns_coefficients"):
+            raise ValueError(f"{where}: {name}={v!r} must be >= 0")
+
+
+def muon_granularity(name: str, param: torch.Tensor) -> str | None:
+    """Muon's block: the whole matrix (``"tensor"``) for 2-D, one ``(H, I)`` matrix
+    (``"rows:H"``) for tensors of 3+ dims, ``None`` below 2-D."""
+    if param.dim() == 2:
+        return "tensor"
+    if param.dim() >= 3:
+        return f"rows:{int(param.shape[-2])}"
+    return None
+
+
+def adamw8bit_granularity(block_size: int = 256, min_8bit_size: int = 4096) -> GranularityFn:
+    """A policy for AdamW8bit with these settings: ``"block:<block_size>"`` for tensors of at
+    least ``min_8bit_size`` elements (global size), ``None`` otherwise."""
+    if block_size < 1:
+        raise ValueError(f"adamw8bit_granularity: block_size={block_size} must be >= 1")
+
+    def granularity(name: str, param: torch.Tensor) -> str | None:
+        return f"block:{block_size}" if param.numel() >= min_8bit_size else None
+
+    granularity.__name__ = f"adamw8bit_granularity_{block_size}_{min_8bit_size}"
+    granularity.__doc__ = (f"AdamW8bit(block_size={block_size}, min_8bit_size={min_8bit_size}) "
+                           "granularity: whole quantisation blocks for 8-bit tensors")
+    return granularity
+
+
+def _head_modules(model: nn.Module, head) -> set[int]:
+    """ids of the output-head parameters: explicit ``head`` (modules or parameters), else
+    every Linear whose out_features equals some Embedding's num_embeddings (the vocabulary
+    projection) or whose weight is an Embedding's weight (tied)."""
+    out: set[int] = set()
+    if head is not None:
+        items = head if isinstance(head, (list, tuple, set)) else [head]
+        for h in items:
+            if isinstance(h, nn.Module):
+                out.update(id(p) for p in h.parameters())
+            elif isinstance(h, torch.Tensor):
+                out.add(id(h))
+            else:
+                raise TypeError(f"head: expected modules or parameters, got {type(h).__name__}")
+        return out
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    emb_weights = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and (m.out_features in vocab or id(m.weight) in emb_weights):
+            out.update(id(p) for p in m.parameters())
+    return out
+
+
+def split_params(model: nn.Module, head=None) -> tuple[list, list]:
+    """``(muon, adamw)``: lists of ``(name, param)``. AdamW gets embeddings, the output head
+    (see ``head``) and tensors with fewer than 2 dims; Muon the other matrices (2-D and
+    stacked 3-D+). Shared parameters appear once."""
+    embeds = set()
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            embeds.update(id(p) for p in m.parameters())
+    heads = _head_modules(model, head)
+    muon, other = [], []
+    for name, p in model.named_parameters():  # de-duplicates shared parameters
+        if not p.requires_grad:
+            continue
+        if id(p) in embeds or id(p) in heads or p.dim() < 2:
+            other.append((name, p))
+        else:
+            muon.append((name, p))
+    return muon, other
+
+
+def muon_param_groups(model: nn.Module, *, head=None, muon: dict | None = None,
+                      adamw: dict | None = None) -> list[dict]:
+    """The usual Muon split as param groups (named, so errors name parameters)::
+
+        opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-4}))
+
+    ``head``: the output module(s) or parameter(s) to keep on AdamW; by default every Linear
+    projecting to an Embedding's vocabulary size (or tied to an Embedding)."""
+    m, a = split_params(model, head)
+    groups = []
+    if m:
+        groups.append({"params": m, "use_muon": True, **(muon or {})})
+    if a:
+        groups.append({"params": a, "use_muon": False, **(adamw or {})})
+    return groups
+
+
+def combined_granularity(model: nn.Module | None = None, *, head=None,
+                         muon: GranularityFn = muon_granularity,
+                         other: GranularityFn | None = None) -> GranularityFn:
+    """One policy for a Muon + 8-bit AdamW setup: ``muon`` for the parameters that
+    :func:`split_params` sends to Muon, ``other`` (default ``AdamW8bit.granularity``) for the
+    rest. Build it from the unwrapped model, before the first ``fully_shard`` (parameters are
+    matched by identity). Without a model (or for parameters it does not know), tensors with
+    2+ dims get ``muon`` and the rest ``other``."""
+    if other is None:
+        other = adamw8bit_granularity()
+    to_muon: set[int] = set()
+    to_other: set[int] = set()
+    if model is not None:
+        m, a = split_params(model, head)
+        to_muon = {id(p) for _, p in m}
+        to_other = {id(p) for _, p in a}
+
+    def granularity(name: str, param: torch.Tensor):
+        if id(param) in to_muon:
+            return muon(name, param)
+        if id(param) in to_other:
+            return other(name, param)
+        return muon(name, param) if param.dim() >= 2 else other(name, param)
+
+    return granularity
+
