@@ -1,0 +1,231 @@
+"""DBuffer: the flat, distributed storage of one FSDP group (one dtype).
+
+Four flat tensors, each one allocation, all laid out by the same :class:`BufferLayout`:
+
+``sharded``
+    ``S`` elements of this rank's segment in the parameters' own dtype; persistent. The
+    sharded parameters' local tensors are views into it, so the optimizer updates it in
+    place.
+``unsharded``
+    ``W*S`` elements in the compute dtype. Its storage is allocated right before the
+    all-gather and freed (resized to zero bytes) right after use, so the per-tensor views
+    (the unsharded parameters the module computes with) stay valid objects. At ``W == 1``
+    with no dtype change it *is* the sharded segment: nothing to gather, nothing to free.
+``grad``
+    ``W*S`` elements in the reduce dtype, zeroed in one op when a backward needs it. The
+    unsharded parameters' ``.grad`` are aliases into it, so autograd accumulates in place;
+    each alias has its own version counter, which tells whether the tensor got a gradient.
+``sharded grad``
+    ``S`` elements in the parameters' dtype, made by the reduce-scatter; the sharded
+    parameters' ``.grad`` are views into it. Created per reduction and owned by the grads,
+    so dropping the grads (``zero_grad(set_to_none=True)``) frees it.
+
+Casts, zeroing and scaling run once over a whole flat tensor, never per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .layout import BufferLayout, TensorSlot
+
+__all__ = ["DBuffer"]
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor on ``flat``'s storage that is *not* an autograd view: it has its own
+    version counter, so in-place writes through it are visible in ``_version``."""
+    out = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    with torch.no_grad():
+        out.set_(flat.untyped_storage(), flat.storage_offset() + offset, tuple(shape), _stride(shape))
+    return out
+
+
+def _stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+class DBuffer:
+    """Flat storage of one group of tensors of one dtype (see the module docstring)."""
+
+    def __init__(
+        self,
+        layout: BufferLayout,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        compute_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self.sharded = torch.empty(layout.segment, dtype=dtype, device=self.device)
+        if self.device.type != "meta":
+            self.sharded.zero_()  # padding stays zero: whole-buffer ops never see garbage
+        self._unsharded: torch.Tensor | None = None
+        self._unsharded_views: list[torch.Tensor] | None = None
+        self.grad: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
+        self._grad_versions: list[int] = []
+
+    # -- layout helpers ----------------------------------------------------------------
+    @property
+    def slots(self) -> tuple[TensorSlot, ...]:
+        return self.layout.slots
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def segment(self) -> int:
+        return self.layout.segment
+
+    def local_view(self, seg: torch.Tensor, i: int) -> torch.Tensor:
+        """Slot ``i``'s run of a segment-sized tensor ``seg``, in the slot's local shape."""
+        s = self.slots[i]
+        return seg.narrow(0, s.local_offset, s.local_numel).view(s.local_shape)
+
+    def sharded_view(self, i: int) -> torch.Tensor:
+        return self.local_view(self.sharded, i)
+
+    # -- filling the sharded segment -----------------------------------------------------
+    @torch.no_grad()
+    def copy_full_(self, i: int, full: torch.Tensor) -> None:
+        """Copy this rank's piece of the full (unsharded) tensor ``full`` into slot ``i``."""
+        s = self.slots[i]
+        if tuple(full.shape) != s.shape:
+            raise ValueError(f"{s.key}: expected the full shape {s.shape}, got {tuple(full.shape)}")
+        if s.local_numel == 0 or full.device.type == "meta" or self.device.type == "meta":
+            return
+        a, _ = s.placement.element_range(s.shape, self.rank)
+        piece = full.detach().reshape(-1).narrow(0, a, s.local_numel)
+        self.sharded.narrow(0, s.local_offset, s.local_numel).copy_(piece)
+
+    @torch.no_grad()
+    def copy_local_(self, i: int, local: torch.Tensor) -> None:
+        """Copy this rank's piece (already sliced) into slot ``i``."""
+        s = self.slots[i]
+        if local.numel() != s.local_numel:
+            raise ValueError(f"{s.key}: expected {s.local_numel} local elements, got {local.numel()}")
+        if s.local_numel == 0 or local.device.type == "meta" or self.device.type == "meta":
+            return
+        self.sharded.narrow(0, s.local_offset, s.local_numel).copy_(local.detach().reshape(-1))
+
+    # -- the unsharded buffer ------------------------------------------------------------
+    @property
+    def aliased(self) -> bool:
+        """True when the unsharded buffer is the sharded segment itself (``W == 1``, no cast)."""
+        return self.world_size == 1 and self.compute_dtype == self.dtype
+
+    @property
+    def unsharded(self) -> torch.Tensor:
+        if self.aliased:
+            return self.sharded
+        if self._unsharded is None:
+            self._unsharded = torch.empty(self.layout.total, dtype=self.compute_dtype, device=self.device)
+            self._free(self._unsharded)
+        return self._unsharded
+
+    @property
+    def unsharded_allocated(self) -> bool:
+        if self.aliased:
+            return True
+        return self._unsharded is not None and self._unsharded.untyped_storage().nbytes() > 0
+
+    def unsharded_views(self) -> list[torch.Tensor]:
+        """Full-shape views into the unsharded buffer, one per slot (made once)."""
+        if self._unsharded_views is None:
+            flat = self.unsharded
+            self._unsharded_views = [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
+        return self._unsharded_views
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        flat = self.unsharded
+        if not self.aliased and self.device.type != "meta":
+            want = flat.numel() * flat.element_size()
+            storage = flat.untyped_storage()
+            if storage.nbytes() != want:
+                storage.resize_(want)
+        return flat
+
+    def free_unsharded(self) -> None:
+        if not self.aliased and self._unsharded is not None:
+            self._free(self._unsharded)
+
+    @staticmethod
+    def _free(t: torch.Tensor) -> None:
+        if t.device.type != "meta" and t.untyped_storage().nbytes() > 0:
+            t.untyped_storage().resize_(0)
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's contribution to the all-gather: the sharded segment itself, or (when
+        the compute dtype differs) its cast written into this rank's slot of the output."""
+        if self.compute_dtype == self.dtype:
+            return self.sharded
+        slot = self.unsharded.narrow(0, self.rank * self.segment, self.segment)
+        slot.copy_(self.sharded)
+        return slot
+
+    # -- gradient buffers ----------------------------------------------------------------
+    def alloc_grad(self) -> torch.Tensor:
+        """A zeroed unsharded gradient buffer with per-slot aliases (see :meth:`grad_view`)."""
+        if self.grad is None:
+            self.grad = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.device)
+            self._grad_views = [_alias(self.grad, s.offset, s.shape) for s in self.slots]
+            self._grad_versions = [v._version for v in self._grad_views]
+        return self.grad
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        return self._grad_views[i]
+
+    def grad_touched(self, i: int) -> bool:
+        """Whether anything was written into slot ``i`` of the gradient buffer through its
+        alias (autograd accumulates in place, which bumps the alias' version)."""
+        return self.grad is not None and self._grad_views[i]._version != self._grad_versions[i]
+
+    def take_grad(self) -> torch.Tensor | None:
+        """Hand over the gradient buffer (the caller reduces and drops it)."""
+        g, self.grad, self._grad_views, self._grad_versions = self.grad, None, [], []
+        return g
+
+    def new_sharded_grad(self, zero: bool = False) -> torch.Tensor:
+        make = torch.zeros if zero else torch.empty
+        return make(self.segment, dtype=self.dtype, device=self.device)
+
+    # -- moving ----------------------------------------------------------------------------
+    def rebuild(self, device: torch.device, dtype: torch.dtype) -> None:
+        """New sharded segment on ``device`` / of ``dtype`` (same layout); the caller fills it.
+        Drops the unsharded and gradient buffers."""
+        if dtype != self.dtype and self.compute_dtype == self.dtype:
+            self.compute_dtype = dtype
+        if dtype != self.dtype and self.reduce_dtype == self.dtype:
+            self.reduce_dtype = dtype
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.sharded = torch.zeros(self.segment, dtype=dtype, device=self.device)
+        self._unsharded = None
+        self._unsharded_views = None
+        self.grad = None
+        self._grad_views = []
+        self._grad_versions = []
+
+    def __repr__(self) -> str:
+        return (
+            f"DBuffer(tensors={len(self.slots)}, W={self.world_size}, S={self.segment}, "
+            f"dtype={self.dtype}, compute={self.compute_dtype}, reduce={self.reduce_dtype}, "
+            f"device={self.device})"
+        )

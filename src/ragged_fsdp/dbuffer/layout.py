@@ -1,0 +1,138 @@
+"""Where every tensor of a DBuffer lives: the planner's layout, resolved for one rank.
+
+The planner places tensors in a flat buffer of ``W * S`` elements so that rank ``r`` owns the
+segment ``[r*S, (r+1)*S)``. A :class:`BufferLayout` turns such a plan into the numbers the
+DBuffer needs: for each tensor its offset in the full buffer (the unsharded views) and the
+run of this rank's segment it occupies (the sharded views), plus the ``RaggedShard`` that
+describes that run. It is pure: no process group, no tensor data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ragged_fsdp.placement import RaggedShard
+
+__all__ = ["Plan", "TensorSlot", "BufferLayout"]
+
+
+class Plan(Protocol):
+    """What a layout needs from a planner result (``ragged_fsdp.planner.plan_group``)."""
+
+    segment: int
+    offsets: dict[str, int]
+
+    def placement(self, name: str) -> RaggedShard: ...
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """One tensor of the buffer.
+
+    ``offset`` is the element offset in the full ``W*S`` buffer; ``local_offset`` and
+    ``local_numel`` give the run of this rank's segment the tensor occupies (``local_numel``
+    may be 0); ``local_shape`` is the shape of that run as the placement shows it.
+    """
+
+    key: str
+    shape: tuple[int, ...]
+    offset: int
+    placement: RaggedShard
+    local_offset: int
+    local_numel: int
+    local_shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    world_size: int
+    rank: int
+    segment: int  # S: elements per rank
+    slots: tuple[TensorSlot, ...]
+
+    @property
+    def total(self) -> int:
+        return self.world_size * self.segment
+
+    @property
+    def used(self) -> int:
+        return sum(s.numel for s in self.slots)
+
+    def index(self, key: str) -> int:
+        for i, s in enumerate(self.slots):
+            if s.key == key:
+                return i
+        raise KeyError(key)
+
+    @classmethod
+    def from_plan(
+        cls,
+        plan: Plan,
+        tensors: Sequence[tuple[str, Sequence[int]]],
+        world_size: int,
+        rank: int,
+    ) -> "BufferLayout":
+        """Resolve ``plan`` for ``rank``; ``tensors`` gives ``(key, shape)`` in slot order.
+
+        Checks what the rest of the engine relies on: tensors are disjoint and inside the
+        buffer, and each placement hands every rank exactly the elements of its segment.
+        """
+        S = int(plan.segment)
+        if S < 0:
+            raise ValueError(f"plan segment {S} must be >= 0")
+        total = world_size * S
+        slots = []
+        spans = []
+        for key, shape in tensors:
+            shape = tuple(int(d) for d in shape)
+            n = math.prod(shape)
+            off = int(plan.offsets[key])
+            if off < 0 or off + n > total:
+                raise ValueError(
+                    f"plan puts {key!r} ({n} elements) at offset {off}, outside the buffer of "
+                    f"{world_size} x {S} elements"
+                )
+            placement = plan.placement(key)
+            placement.check(shape, world_size)
+            for r in range(world_size):
+                want = _overlap(off, n, r * S, S)
+                a, b = placement.element_range(shape, r)
+                if (b - a) != want[1] - want[0] or (b > a and a != want[0]):
+                    raise ValueError(
+                        f"plan for {key!r}: {placement} gives rank {r} elements [{a}, {b}) but "
+                        f"the buffer segment covers [{want[0]}, {want[1]})"
+                    )
+            lo, hi = _overlap(off, n, rank * S, S)
+            slots.append(
+                TensorSlot(
+                    key=key,
+                    shape=shape,
+                    offset=off,
+                    placement=placement,
+                    local_offset=(off + lo - rank * S) if hi > lo else 0,
+                    local_numel=hi - lo,
+                    local_shape=tuple(placement.local_shape(shape, rank)),
+                )
+            )
+            spans.append((off, off + n, key))
+        spans.sort()
+        for (a0, a1, ka), (b0, b1, kb) in zip(spans, spans[1:]):
+            if b0 < a1:
+                raise ValueError(f"plan overlaps {ka!r} [{a0}, {a1}) and {kb!r} [{b0}, {b1})")
+        return cls(world_size=world_size, rank=rank, segment=S, slots=tuple(slots))
+
+
+def _overlap(offset: int, numel: int, seg_start: int, seg_len: int) -> tuple[int, int]:
+    """The part of the tensor ``[offset, offset+numel)`` inside a segment, in tensor coordinates."""
+    lo = max(offset, seg_start)
+    hi = min(offset + numel, seg_start + seg_len)
+    if hi <= lo:
+        return (0, 0)
+    return (lo - offset, hi - offset)

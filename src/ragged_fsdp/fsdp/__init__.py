@@ -1,0 +1,4 @@
+"""The training engine: a drop-in ``fully_shard`` built on DBuffers."""
+from .api import FSDPModule, UnshardHandle, fully_shard
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]

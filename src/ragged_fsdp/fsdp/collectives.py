@@ -1,0 +1,133 @@
+"""The two collectives of a DBuffer, chosen per backend by the bytes each rank moves.
+
+All-gather: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13) straight
+into the unsharded buffer. The input is the sharded segment itself when no cast is needed,
+otherwise the cast written into this rank's slot of the output (an in-place all-gather).
+
+Reduce-scatter (the mean over ranks of the unsharded gradient buffer, this rank's segment):
+
+* NCCL and other backends: ``reduce_scatter_single`` with ``AVG`` straight into the sharded
+  gradient segment when dtypes allow, else into a staging segment that one op casts or adds;
+* gloo: its reduce-scatter is an all-reduce underneath (each rank moves the whole buffer
+  twice); ``all_to_all_single`` moves only the pieces other ranks own, and one local
+  ``mean`` over the ``W`` received pieces finishes the job;
+* ``W == 1``: no collective, one copy/add (or none: the caller may adopt the buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ragged_fsdp.dbuffer import DBuffer
+
+from .device import Device, Pending
+
+__all__ = ["Comm", "all_gather", "reduce_scatter", "backend_of"]
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def backend_of(group) -> str:
+    b = str(dist.get_backend(group)).lower()
+    return b
+
+
+@dataclass
+class Comm:
+    """The process group of a data-parallel mesh dim and how to talk on it."""
+
+    group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    backend: str
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> "Comm":
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), backend_of(group))
+
+    @property
+    def gloo(self) -> bool:
+        return "gloo" in self.backend and "nccl" not in self.backend
+
+
+def all_gather(device: Device, comm: Comm, buf: DBuffer, lane: str = "all_gather") -> Pending | None:
+    """Fill ``buf``'s unsharded buffer from every rank's segment. Returns None when there is
+    nothing to gather (the unsharded buffer is the sharded segment)."""
+    if buf.aliased:
+        return None
+    out = buf.alloc_unsharded()  # allocated in the compute stream's order
+    # The unsharded parameters are views of `out`; autograd must not see the all-gather as
+    # an in-place change of tensors it saved for backward. The version moves both when the
+    # op is issued and (gloo) when its work is waited on, so restore it after both.
+    version = out._version
+
+    def issue(async_op: bool):
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            inp = buf.gather_input()
+            if comm.world_size == 1:
+                return None
+            return _all_gather_single(out, inp, group=comm.group, async_op=async_op)
+
+    def restore_version():
+        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+
+    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded))
+
+
+def reduce_scatter(
+    device: Device,
+    comm: Comm,
+    grad: torch.Tensor,
+    target: torch.Tensor,
+    accumulate: bool,
+    divide_factor: float | None = None,
+    lane: str = "reduce_scatter",
+) -> Pending:
+    """Reduce the unsharded gradient buffer ``grad`` (``W*S``) over ranks into ``target``
+    (this rank's ``S``-element sharded gradient segment): ``target = mean`` or, with
+    ``accumulate``, ``target += mean``. ``divide_factor`` replaces the world size."""
+    W = comm.world_size
+    S = target.numel()
+    factor = float(divide_factor or W)
+
+    def finish(reduced: torch.Tensor, already_scaled: bool) -> None:
+        scale = 1.0 if already_scaled else 1.0 / factor
+        if accumulate:
+            target.add_(reduced, alpha=scale) if reduced.dtype == target.dtype else target.add_(reduced.to(target.dtype), alpha=scale)
+        else:
+            target.copy_(reduced)
+            if scale != 1.0:
+                target.mul_(scale)
+
+    if W == 1:
+        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target))
+
+    if comm.gloo:
+        received = torch.empty_like(grad)
+
+        def issue(async_op: bool):
+            return dist.all_to_all_single(received, grad, group=comm.group, async_op=async_op)
+
+        def post():
+            pieces = received.view(W, S)
+            if not accumulate and divide_factor is None:
+                torch.mean(pieces, dim=0, dtype=target.dtype, out=target)
+            else:
+                finish(torch.sum(pieces, dim=0, dtype=target.dtype), False)
+
+        return device.launch(lane, issue, post=post, keep=(grad, received, target))
+
+    op = dist.ReduceOp.AVG if divide_factor is None else dist.ReduceOp.SUM
+    direct = not accumulate and grad.dtype == target.dtype and divide_factor is None
+    staging = target if direct else torch.empty(S, dtype=grad.dtype, device=grad.device)
+
+    def issue(async_op: bool):
+        return _reduce_scatter_single(staging, grad, op=op, group=comm.group, async_op=async_op)
+
+    post: Callable[[], None] | None = None if direct else (lambda: finish(staging, divide_factor is None))
+    return device.launch(lane, issue, post=post, keep=(grad, staging, target))

@@ -1,0 +1,115 @@
+"""The device seam: how a collective is issued and waited for.
+
+The engine never touches streams or work handles directly. It calls
+``device.launch(lane, comm, post, keep)``:
+
+* ``comm(async_op)`` issues the collective (plus any copy-in it needs) and returns a work
+  handle or None;
+* ``post()`` (optional) is the local work that must follow the collective (summing the
+  pieces of an all-to-all, casting, scaling);
+* ``keep`` are tensors the collective reads or writes, held until the wait.
+
+and gets a :class:`Pending` whose ``wait()`` makes the results usable by the compute that
+follows.
+
+CPU (gloo): the collective runs on the process group's own threads (``async_op=True``); the
+wait blocks on the work handle and then runs ``post`` on the calling thread.
+
+CUDA (NCCL): each lane is a side stream that first waits for the compute stream (the
+inputs are ready, and memory the compute stream freed is not reused early); ``comm`` and
+``post`` run on it; an event marks the end, and the wait makes the compute stream wait for
+that event. No ``record_stream``: the tensors in ``keep`` stay referenced until the wait, so
+the caching allocator cannot hand their memory to someone else while the lane still uses it,
+and after the wait their frees are ordered on the compute stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Device", "Pending", "device_for"]
+
+Comm = Callable[[bool], Any]
+
+
+class Pending:
+    """A launched collective; ``wait()`` once before using its outputs."""
+
+    __slots__ = ("_work", "_event", "_post", "_keep", "done")
+
+    def __init__(self, work=None, event=None, post=None, keep: Sequence[torch.Tensor] = ()):
+        self._work = work
+        self._event = event
+        self._post = post
+        self._keep = tuple(keep)
+        self.done = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self._work is not None:
+            self._work.wait()
+        if self._event is not None:
+            torch.cuda.current_stream().wait_event(self._event)
+        if self._post is not None:
+            self._post()
+        self._work = self._event = self._post = None
+        self._keep = ()
+
+
+class Device:
+    """CPU / gloo: async work handles stand in for streams."""
+
+    type = "cpu"
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def launch(self, lane: str, comm: Comm, post: Callable[[], None] | None = None,
+               keep: Sequence[torch.Tensor] = ()) -> Pending:
+        work = comm(True)
+        return Pending(work=work, post=post, keep=keep)
+
+    def run_now(self, comm: Comm, post: Callable[[], None] | None = None) -> None:
+        """Issue and complete on the compute thread/stream (used when nothing can overlap)."""
+        comm(False)
+        if post is not None:
+            post()
+
+
+class CudaDevice(Device):
+    """CUDA / NCCL: one side stream per lane, events instead of ``record_stream``."""
+
+    type = "cuda"
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def stream(self, lane: str) -> "torch.cuda.Stream":
+        s = self._streams.get(lane)
+        if s is None:
+            # high priority so copy-in/out around collectives does not queue behind compute
+            s = self._streams[lane] = torch.cuda.Stream(device=self.device, priority=-1)
+        return s
+
+    def launch(self, lane: str, comm: Comm, post: Callable[[], None] | None = None,
+               keep: Sequence[torch.Tensor] = ()) -> Pending:
+        stream = self.stream(lane)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            comm(False)  # NCCL orders itself after `stream` and `stream` after NCCL
+            if post is not None:
+                post()
+            event = stream.record_event()
+        return Pending(event=event, keep=keep)
+
+
+def device_for(device: torch.device) -> Device:
+    if device.type == "cuda":
+        return CudaDevice(device)
+    return Device(device)

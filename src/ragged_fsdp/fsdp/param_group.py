@@ -1,0 +1,425 @@
+"""ParamGroup: the parameters of one ``fully_shard`` call and their life in a step.
+
+Data: one :class:`DBuffer` per (dtype, trainable) kind of parameter, laid out by the planner,
+and one :class:`ParamInfo` per parameter (its slot, where the module registers it, the
+sharded RaggedShard parameter and, once made, the unsharded parameter).
+
+Sharded state (which parameters the modules hold)::
+
+    SHARDED --unshard()--> (all-gather in flight) --wait_for_unshard()--> UNSHARDED
+    UNSHARDED --reshard()--> SHARDED
+
+Training state (where the step is)::
+
+    IDLE --pre_forward--> FORWARD --post_forward--> IDLE --pre_backward--> PRE_BACKWARD
+    PRE_BACKWARD --post_backward (last use)--> POST_BACKWARD --final callback--> IDLE
+
+Gradients: at pre-backward the group zeroes one unsharded gradient buffer per DBuffer and
+makes the unsharded parameters' ``.grad`` aliases into it, so autograd accumulates in place
+(in the reduce dtype, via ``grad_dtype``). After the group's last use in backward, one
+reduce-scatter per DBuffer produces the sharded gradient segment; the sharded parameters'
+``.grad`` become views into it when the backward ends.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ragged_fsdp.dbuffer import DBuffer, plan_layout
+
+from .collectives import Comm, all_gather, reduce_scatter
+from .device import Device, Pending
+from .hooks import attach_post_backward
+from .sharded_param import local_of, make_sharded_grad, make_sharded_param, repoint
+
+__all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+@dataclass
+class ParamInfo:
+    fqn: str  # as in the wrapped module's named_parameters()
+    buffer: int  # index into ParamGroup.buffers
+    slot: int  # index into that buffer's layout
+    owners: list[tuple[nn.Module, str]]  # every (module, attribute) registering it (tied params)
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+
+    def register(self, param: nn.Parameter) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+
+@dataclass
+class _Reduction:
+    """One in-flight gradient reduction of one DBuffer."""
+
+    buffer: int
+    pending: Pending
+    target: torch.Tensor  # the sharded gradient segment being written
+    touched: list[bool]  # per slot: got a gradient on this rank
+    had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
+
+
+@dataclass
+class _Step:
+    """Per-iteration bookkeeping (reset by the final callback)."""
+
+    ran_forward: bool = False  # ran forward with grad enabled this iteration
+    open_calls: int = 0  # forward calls whose PostBackward node has not fired yet
+    blind_call: bool = False  # a call whose inputs needed no grad: wait for the final callback
+    post_forward_indices: list[int] = field(default_factory=list)
+    reduced: list[_Reduction] = field(default_factory=list)  # reductions issued this backward
+
+
+class ParamGroup:
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
+        modules: tuple[nn.Module, ...],
+        mesh: DeviceMesh,
+        comm: Comm,
+        device: torch.device,
+        dev: Device,
+        mp_policy,
+        granularity_fn: Callable[[str, nn.Parameter], Any] | None,
+        reshard_after_forward: bool | int,
+    ):
+        self.modules = modules
+        self.mesh = mesh
+        self.comm = comm
+        self.device = device
+        self.dev = dev
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.reduce_grads = True
+        self.unshard_in_backward = True
+        self.gradient_divide_factor: float | None = None
+        self.fqn = ""  # module path from the root, for messages
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.ctx = None  # the root's shared context (set at lazy init)
+        self._gathering: list[Pending] | None = None
+        self._last_grad_seg: list[weakref.ref | None] = []
+        self.step = _Step()
+        self.buffers: list[DBuffer] = []
+        self.infos: list[ParamInfo] = []
+        self._build(params, granularity_fn)
+
+    # -- construction ----------------------------------------------------------------------
+    def _build(self, params, granularity_fn) -> None:
+        kinds: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, (_, p, _) in enumerate(params):
+            kinds.setdefault((p.dtype, p.requires_grad), []).append(i)
+        W, rank = self.comm.world_size, self.comm.rank
+        for (dtype, trainable), idx in kinds.items():
+            tensors = []
+            for j, i in enumerate(idx):
+                name, p, _ = params[i]
+                spec = granularity_fn(name, p) if granularity_fn is not None else None
+                tensors.append((f"{j}:{name}", tuple(p.shape), spec))
+            try:
+                layout = plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
+            except (ValueError, NotImplementedError) as e:
+                raise ValueError(f"fully_shard: cannot lay out the parameters of {self._describe()}: {e}") from e
+            compute, reduce_ = self._mp_dtypes(dtype)
+            buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
+            b = len(self.buffers)
+            self.buffers.append(buf)
+            self._last_grad_seg.append(None)
+            for j, i in enumerate(idx):
+                name, p, owners = params[i]
+                buf.copy_full_(j, p.to(self.device) if p.device.type not in ("meta", self.device.type) else p)
+                s = buf.slots[j]
+                sharded = make_sharded_param(buf.sharded_view(j), self.mesh, s.placement, s.shape, p.requires_grad)
+                info = ParamInfo(name, b, j, owners, sharded)
+                info.register(sharded)
+                self.infos.append(info)
+
+    def _mp_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        if not dtype.is_floating_point:
+            return dtype, dtype
+        compute = self.mp_policy.param_dtype or dtype
+        reduce_ = self.mp_policy.reduce_dtype or compute
+        return compute, reduce_
+
+    def _describe(self) -> str:
+        return self.fqn or ", ".join(type(m).__name__ for m in self.modules)
+
+    # -- views ---------------------------------------------------------------------------
+    def _unsharded_param(self, info: ParamInfo) -> nn.Parameter:
+        buf = self.buffers[info.buffer]
+        p = info.unsharded
+        if p is None:
+            view = buf.unsharded_views()[info.slot]
+            p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+            if buf.reduce_dtype != buf.compute_dtype:
+                p.grad_dtype = buf.reduce_dtype
+        elif p.requires_grad != info.sharded.requires_grad:
+            p.requires_grad_(info.sharded.requires_grad)
+        return p
+
+    def check_materialized(self) -> None:
+        meta = [i.fqn for i in self.infos if self.buffers[i.buffer].device.type == "meta"]
+        if meta:
+            raise RuntimeError(
+                f"fully_shard: parameters of {self._describe()} are still on the meta device "
+                f"({', '.join(meta[:5])}{'...' if len(meta) > 5 else ''}); materialise them first, "
+                "e.g. model.to_empty(device=...) and then reset_parameters()/init_weights()"
+            )
+
+    # -- unshard / reshard -------------------------------------------------------------------
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state is ShardedState.UNSHARDED
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Start the all-gathers (no-op when unsharded or already in flight)."""
+        if self.is_unsharded or self._gathering is not None:
+            return
+        if self.training_state is TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
+            return
+        self.check_materialized()
+        pend = [all_gather(self.dev, self.comm, buf) for buf in self.buffers]
+        self._gathering = [p for p in pend if p is not None]
+
+    def wait_for_unshard(self) -> None:
+        if self._gathering is None and not self.is_unsharded:
+            return
+        if self._gathering is not None:
+            for p in self._gathering:
+                p.wait()
+            self._gathering = None
+        if not self.is_unsharded:
+            for info in self.infos:
+                info.register(self._unsharded_param(info))
+            self.sharded_state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        if self._gathering is not None:  # never free memory a collective still writes
+            for p in self._gathering:
+                p.wait()
+            self._gathering = None
+        if self.is_unsharded:
+            for info in self.infos:
+                info.register(info.sharded)
+            self.sharded_state = ShardedState.SHARDED
+        for buf in self.buffers:
+            buf.free_unsharded()
+
+    # -- forward -------------------------------------------------------------------------
+    def pre_forward(self, args: tuple, kwargs: dict, first_module: bool) -> tuple[tuple, dict]:
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+        if torch.is_grad_enabled() and first_module:
+            self.step.ran_forward = True
+            args, kwargs, attached = attach_post_backward(self._post_backward_from_autograd, args, kwargs)
+            if attached:
+                self.step.open_calls += 1
+            else:
+                self.step.blind_call = True
+        return args, kwargs
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward is not False:
+            self.reshard()
+        if torch.is_grad_enabled():
+            order = self.ctx.post_forward_order
+            self.step.post_forward_indices.append(len(order))
+            order.append(self)
+        self.training_state = TrainingState.IDLE
+
+    # -- backward ------------------------------------------------------------------------
+    def pre_backward(self, implicit_prefetch: bool) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+        self._prepare_grads()
+        if implicit_prefetch and self.step.post_forward_indices:
+            i = self.step.post_forward_indices.pop()
+            if i > 0:
+                self.ctx.post_forward_order[i - 1].prefetch(TrainingState.PRE_BACKWARD)
+
+    def prefetch(self, state: TrainingState) -> None:
+        if self.is_unsharded or self._gathering is not None:
+            return
+        prev = self.training_state
+        self.training_state = state if prev is TrainingState.IDLE else prev
+        try:
+            self.unshard(async_op=True)
+        finally:
+            self.training_state = prev
+
+    def _prepare_grads(self) -> None:
+        """Zeroed gradient buffers; the unsharded parameters' grads alias into them."""
+        if not self.is_unsharded:
+            return
+        for info in self.infos:
+            p = info.unsharded
+            if p is None or not p.requires_grad:
+                continue
+            buf = self.buffers[info.buffer]
+            if buf.grad is None:
+                buf.alloc_grad()
+            alias = buf.grad_view(info.slot)
+            if p.grad is None:
+                p.grad = alias
+            elif p.grad is not alias:
+                self._fold_foreign_grad(info)
+
+    def _fold_foreign_grad(self, info: ParamInfo) -> None:
+        """A gradient autograd made on its own (no alias was set): add it into the buffer."""
+        p = info.unsharded
+        buf = self.buffers[info.buffer]
+        if buf.grad is None:
+            buf.alloc_grad()
+        alias = buf.grad_view(info.slot)
+        g = p.grad
+        p.grad = None
+        with torch.no_grad():
+            alias.add_(g.to(alias.dtype))
+        p.grad = alias
+
+    def _post_backward_from_autograd(self) -> None:
+        self.step.open_calls -= 1
+        if self.step.open_calls > 0 or self.step.blind_call:
+            return  # more uses of the group are still to come in this backward
+        self.post_backward()
+
+    def post_backward(self) -> None:
+        """The group's gradients are complete: reduce them (or keep accumulating)."""
+        if self.training_state is TrainingState.POST_BACKWARD:
+            return
+        self.training_state = TrainingState.POST_BACKWARD
+        for info in self.infos:
+            p = info.unsharded
+            if p is not None and p.grad is not None:
+                buf = self.buffers[info.buffer]
+                if buf.grad is None or p.grad is not buf.grad_view(info.slot):
+                    self._fold_foreign_grad(info)
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        self.ctx.retire_reductions(keep=1)
+        starts = []
+        for b, buf in enumerate(self.buffers):
+            if buf.grad is None:
+                continue
+            touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
+            starts.append((b, buf.take_grad(), touched))
+        for info in self.infos:
+            if info.unsharded is not None:
+                info.unsharded.grad = None
+        if self.reshard_after_backward:
+            self.reshard()
+        for b, grad, touched in starts:
+            self._reduce(b, grad, touched)
+
+    def _reduce(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
+        buf = self.buffers[b]
+        mine = [info for info in self.infos if info.buffer == b]
+        had = [False] * len(buf.slots)
+        existing = {}
+        for info in mine:
+            if info.sharded.grad is not None:
+                had[info.slot] = True
+                existing[info.slot] = info.sharded.grad
+        if not existing:
+            if buf.world_size == 1 and grad.dtype == buf.dtype and self.gradient_divide_factor is None:
+                # nothing to reduce: the unsharded gradient buffer is the sharded one
+                red = _Reduction(b, Pending(), grad, touched, had)
+                self.step.reduced.append(red)
+                return
+            target, accumulate = buf.new_sharded_grad(), False
+        else:
+            target = self._accumulation_target(b, existing)
+            accumulate = True
+        pending = reduce_scatter(self.dev, self.comm, grad, target, accumulate, self.gradient_divide_factor)
+        red = _Reduction(b, pending, target, touched, had)
+        self.step.reduced.append(red)
+        self.ctx.in_flight.append(red)
+
+    def _accumulation_target(self, b: int, existing: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The sharded gradient segment to add into: the last one we made if every existing
+        grad still lives in it, else a fresh one holding the existing grads."""
+        buf = self.buffers[b]
+        ref = self._last_grad_seg[b]
+        last = ref() if ref is not None else None
+        if last is not None:
+            ptr = last.untyped_storage().data_ptr()
+            if all(local_of(g).untyped_storage().data_ptr() == ptr for g in existing.values()):
+                with torch.no_grad():
+                    for i in range(len(buf.slots)):
+                        if i not in existing and buf.slots[i].local_numel:
+                            buf.local_view(last, i).zero_()
+                return last
+        target = buf.new_sharded_grad(zero=True)
+        with torch.no_grad():
+            for i, g in existing.items():
+                buf.local_view(target, i).copy_(local_of(g).reshape(buf.slots[i].local_shape))
+        return target
+
+    def assign_grads(self, red: _Reduction, got_grad: list[bool]) -> None:
+        """Point the sharded grads into the reduced segment (after the reduction finished).
+        A parameter no rank produced a gradient for keeps ``.grad = None``."""
+        buf = self.buffers[red.buffer]
+        self._last_grad_seg[red.buffer] = weakref.ref(red.target)
+        for info in self.infos:
+            if info.buffer != red.buffer or not info.sharded.requires_grad:
+                continue
+            i = info.slot
+            if not (got_grad[i] or red.had_grad[i]):
+                info.sharded.grad = None
+                continue
+            info.sharded.grad = make_sharded_grad(buf.local_view(red.target, i), info.sharded)
+
+    def finish_iteration(self) -> None:
+        self.training_state = TrainingState.IDLE
+        self.step = _Step()
+
+    # -- moving (nn.Module._apply, load_state_dict(assign=True)) ------------------------------
+    def adopt_locals(self, locals_: list[torch.Tensor | None]) -> None:
+        """Rebuild the sharded segments from new local tensors (one per info, None = keep
+        the current data) and re-point the sharded parameters into them."""
+        for b, buf in enumerate(self.buffers):
+            mine = [(k, info) for k, info in enumerate(self.infos) if info.buffer == b]
+            new = [locals_[k] for k, _ in mine]
+            known = [t for t in new if t is not None]
+            device = known[0].device if known else buf.device
+            dtype = known[0].dtype if known else buf.dtype
+            old = [local_of(info.sharded).detach() for _, info in mine]
+            if device != buf.device or dtype != buf.dtype:
+                buf.rebuild(device, dtype)
+                for info in self.infos:
+                    if info.buffer == b:
+                        info.unsharded = None
+            for (k, info), t, o in zip(mine, new, old):
+                src = t if t is not None else o
+                if src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
+                    buf.copy_local_(info.slot, src.to(device=buf.device, dtype=buf.dtype))
+                repoint(info.sharded, buf.sharded_view(info.slot))
+                info.register(info.sharded)

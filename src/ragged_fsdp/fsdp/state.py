@@ -1,0 +1,288 @@
+"""FSDPState: the hooks of one ``fully_shard`` call, and the context the root shares.
+
+Each call installs a forward pre-hook and a forward hook on its module(s). The state that
+runs forward first becomes the root (lazy init) and shares one :class:`RootContext` with
+every state below it: the order groups ran in (for prefetching), reductions in flight, and
+the once-per-backward final callback.
+
+Per step, for one state::
+
+    pre-forward   unshard (maybe prefetched) -> PostBackward node on the inputs ->
+                  prefetch the next group (explicit list, or the previous step's order)
+    post-forward  reshard (unless reshard_after_forward=False) -> pre-backward hooks on the
+                  outputs
+    pre-backward  unshard (maybe prefetched) -> zeroed gradient buffers -> prefetch the group
+                  that ran before this one
+    post-backward (the PostBackward node of the last use) reduce-scatter, reshard
+    final callback (root, once per backward) finish the groups autograd could not see,
+                  wait for all reductions, hand out the sharded grads
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_map
+
+from .hooks import grad_tensors, in_backward
+from .param_group import ParamGroup, TrainingState
+
+__all__ = ["FSDPState", "RootContext"]
+
+
+class RootContext:
+    """State shared by every FSDP state under one root."""
+
+    def __init__(self) -> None:
+        self.all_states: list[FSDPState] = []  # pre-order of the root's module tree
+        self.iter_forward_root: FSDPState | None = None
+        self.forward_order: list[ParamGroup] = []  # groups by first pre-forward, this step
+        self.last_forward_order: list[ParamGroup] = []  # ... and in the previous step
+        self._last_index: dict[int, int] = {}
+        self.post_forward_order: list[ParamGroup] = []  # with repeats, for backward prefetch
+        self.in_flight: list = []  # _Reduction objects not yet waited for
+        self.callback_queued = False
+        self.is_last_backward = True
+
+    def retire_reductions(self, keep: int) -> None:
+        while len(self.in_flight) > keep:
+            self.in_flight.pop(0).pending.wait()
+
+    def next_in_forward(self, group: ParamGroup) -> ParamGroup | None:
+        i = self._last_index.get(id(group))
+        if i is None or i + 1 >= len(self.last_forward_order):
+            return None
+        return self.last_forward_order[i + 1]
+
+    def end_forward(self) -> None:
+        if self.forward_order:
+            self.last_forward_order = list(self.forward_order)
+            self._last_index = {id(g): i for i, g in enumerate(self.last_forward_order)}
+        self.forward_order = []
+
+
+class FSDPState:
+    def __init__(self, modules: tuple[nn.Module, ...], mp_policy, auto_reshard: bool):
+        self.modules = modules
+        self.mp_policy = mp_policy
+        self.group: ParamGroup | None = None
+        self.ctx = RootContext()
+        self.is_root: bool | None = None
+        self.training_state = TrainingState.IDLE
+        self.auto_reshard = auto_reshard  # reshard_after_forward was None: root keeps params
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self._to_run: set[int] = set()  # modules of a list group still to run this pass
+        self._handles = []
+        for m in modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(self._post_forward, prepend=False))
+
+    # -- lazy init -------------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        if len(self.modules) != 1:
+            raise RuntimeError(
+                "fully_shard: the first module to run forward must be a single wrapped root module, "
+                f"but it is a list group of {len(self.modules)} modules"
+            )
+        from .api import state_of
+
+        self.is_root = True
+        root = self.modules[0]
+        seen = set()
+        for name, module in root.named_modules():
+            st = state_of(module)
+            if st is None or id(st) in seen:
+                continue
+            seen.add(id(st))
+            if st is not self:
+                if st.is_root is not None:
+                    raise RuntimeError(
+                        f"fully_shard: {name} already ran forward as a root; run forward through "
+                        "the outermost wrapped module first"
+                    )
+                st.is_root = False
+            st.ctx = self.ctx
+            self.ctx.all_states.append(st)
+            if st.group is not None:
+                st.group.ctx = self.ctx
+                st.group.fqn = name
+        if self.auto_reshard and self.group is not None:
+            self.group.reshard_after_forward = False
+        for st in self.ctx.all_states:
+            if st.group is not None:
+                st.group.check_materialized()
+
+    # -- forward ---------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if in_backward() or self.training_state is TrainingState.PRE_BACKWARD:
+            # activation-checkpoint recomputation inside backward: parameters only
+            if self.group is not None:
+                g = self.group
+                g.unshard()
+                g.wait_for_unshard()
+                if torch.is_grad_enabled():
+                    if not g.step.ran_forward:  # reentrant checkpoint: forward ran without grad
+                        g.step.ran_forward = True
+                        g.step.blind_call = True
+                    g._prepare_grads()
+            return self._cast_inputs(args, kwargs)
+        first = True
+        if len(self.modules) > 1:
+            first = not self._to_run
+            if first:
+                self._to_run = {id(m) for m in self.modules}
+        if first:
+            self.lazy_init_from_forward()
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs)
+        g = self.group
+        if g is not None:
+            args, kwargs = g.pre_forward(args, kwargs, first)
+            if first:
+                if not any(x is g for x in self.ctx.forward_order):
+                    self.ctx.forward_order.append(g)
+                self._forward_prefetch()
+        return args, kwargs
+
+    def lazy_init_from_forward(self) -> None:
+        self.lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+            self.ctx.forward_order = []
+
+    def _forward_prefetch(self) -> None:
+        if self.forward_prefetch:
+            for st in self.forward_prefetch:
+                if st.group is not None:
+                    st.group.prefetch(TrainingState.FORWARD)
+            return
+        nxt = self.ctx.next_in_forward(self.group)
+        if nxt is not None and nxt is not self.group:
+            nxt.prefetch(TrainingState.FORWARD)
+
+    def _post_forward(self, module: nn.Module, input: Any, output: Any):
+        if in_backward() or self.training_state is TrainingState.PRE_BACKWARD:
+            return self._cast_output(output)
+        if len(self.modules) > 1:
+            self._to_run.discard(id(module))
+            if self._to_run:
+                return self._cast_output(output)
+        if self.group is not None:
+            self.group.post_forward()
+        output = self._register_pre_backward(output)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self._end_of_forward()
+        return self._cast_output(output)
+
+    def _end_of_forward(self) -> None:
+        ctx = self.ctx
+        ctx.iter_forward_root = None
+        ran = {id(g) for g in ctx.forward_order}
+        for st in ctx.all_states:  # prefetched groups that did not run: free them
+            g = st.group
+            if g is not None and id(g) not in ran and (g.is_unsharded or g._gathering is not None):
+                if st.training_state is TrainingState.IDLE:
+                    g.reshard()
+        ctx.end_forward()
+
+    def _register_pre_backward(self, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return output
+        for t in grad_tensors(output):
+            t.register_hook(self._pre_backward)
+        return output
+
+    # -- backward --------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor):
+        self.training_state = TrainingState.PRE_BACKWARD
+        self._queue_final_callback()
+        if self.group is not None:
+            self.group.pre_backward(implicit_prefetch=not self.backward_prefetch)
+        for st in self.backward_prefetch:
+            if st.group is not None:
+                st.group.prefetch(TrainingState.PRE_BACKWARD)
+        return grad
+
+    def _queue_final_callback(self) -> None:
+        ctx = self.ctx
+        if ctx.callback_queued:
+            return
+        ctx.callback_queued = True
+        root = ctx.all_states[0] if ctx.all_states else self
+        Variable._execution_engine.queue_callback(root._final_callback)
+
+    def _final_callback(self) -> None:
+        ctx = self.ctx
+        states = ctx.all_states or [self]
+        try:
+            for st in reversed(states):
+                g = st.group
+                if g is None:
+                    continue
+                if g.step.ran_forward and g.training_state is not TrainingState.POST_BACKWARD:
+                    g.post_backward()
+                elif g.reshard_after_backward and (g.is_unsharded or g._gathering is not None):
+                    g.reshard()
+            ctx.retire_reductions(keep=0)
+            self._hand_out_grads(states)
+        finally:
+            for st in states:
+                st.training_state = TrainingState.IDLE
+                if st.group is not None:
+                    st.group.finish_iteration()
+            ctx.post_forward_order.clear()
+            ctx.callback_queued = False
+
+    def _hand_out_grads(self, states: list[FSDPState]) -> None:
+        """One all-reduce of the 'got a gradient' flags of every reduced tensor, then the
+        sharded grads become views into the reduced segments."""
+        reds = [(st.group, r) for st in states if st.group is not None for r in st.group.step.reduced]
+        if not reds:
+            return
+        by_pg: dict[int, list] = {}  # one all-reduce per process group, in a fixed order
+        for g, r in reds:
+            by_pg.setdefault(id(g.comm.group), []).append((g, r))
+        for items in by_pg.values():
+            comm = items[0][0].comm
+            flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32)
+            if comm.world_size > 1 and flags.numel():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+            got = flags.tolist()
+            k = 0
+            for g, r in items:
+                n = len(r.touched)
+                g.assign_grads(r, [bool(x) for x in got[k:k + n]])
+                k += n
+
+    # -- mixed precision -------------------------------------------------------------------
+    def _cast_inputs(self, args, kwargs):
+        dtype = self.mp_policy.param_dtype
+        if not (self.mp_policy.cast_forward_inputs and dtype):
+            return args, kwargs
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _cast_output(self, output):
+        dtype = self.mp_policy.output_dtype
+        if dtype is None:
+            return output
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+                return x.to(dtype)
+            return x
+
+        return tree_map(cast, output)
