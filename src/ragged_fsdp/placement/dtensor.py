@@ -152,6 +152,22 @@ class RaggedDTensor(DTensor):
             raise ValueError("redistribute: placements is required")
         return redistribute(self, device_mesh or self.device_mesh, placements)
 
+    # -- torch.distributed.checkpoint hooks (the local run as a few boxes) --------------
+    def __create_write_items__(self, fqn: str, object):
+        from ragged_fsdp.checkpoint.dcp_hooks import create_write_items
+
+        return create_write_items(object, fqn)
+
+    def __create_chunk_list__(self):
+        from ragged_fsdp.checkpoint.dcp_hooks import create_chunk_list
+
+        return create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        from ragged_fsdp.checkpoint.dcp_hooks import get_tensor_shard
+
+        return get_tensor_shard(self, index)
+
     @property
     def local_shape(self) -> tuple[int, ...]:
         return tuple(self._local_tensor.shape)
