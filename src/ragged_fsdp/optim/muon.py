@@ -558,7 +558,9 @@ def _load_resharded(opt: Optimizer, state_dict: dict, per_block_of: Callable[[st
     stripped: dict = {}
     for pid, st in saved_state.items():
         held[pid] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
-        stripped[pid] = {k: v for k, v in st.items() if k not in held[pid]}
+        # step counters are copied (torch would share them with the loaded dict)
+        stripped[pid] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.items() if k not in held[pid]}
     sd = dict(state_dict)
     sd["state"] = stripped
     Optimizer.load_state_dict(opt, sd)

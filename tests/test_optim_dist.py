@@ -1,0 +1,356 @@
+"""Muon and AdamW8bit on W = 1..4 gloo ranks, against single-device math, bit for bit.
+
+* Muon: parameters after 5 steps equal ``torch.optim.Muon`` (and ``torch.optim.AdamW`` for
+  ``use_muon=False`` groups) on unsharded copies, for odd, tall, wide and 3-D (per-expert)
+  tensors, layouts that split matrices anywhere, keep them whole, or leave ranks empty.
+* AdamW8bit: parameters and states after 20 steps equal the same optimizer on plain tensors
+  (the W = 1 result), for block-aligned layouts with partial last blocks and empty ranks.
+* Both: state dicts reload under another layout (a resharded checkpoint) and continue exactly.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import ragged_fsdp as rf
+from ragged_fsdp import RaggedShard
+from ragged_fsdp.optim import AdamW8bit, Muon
+
+from _dist import run_cases
+
+
+def _cuts(units, world, seed):
+    """Split ``units`` into ``world`` counts (the same on every rank), one of them zero when W > 2."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randint(0, units + 1, (world - 1,), generator=g).tolist())
+    counts = [b - a for a, b in zip([0] + cuts, cuts + [units])]
+    if world > 2:
+        counts[1] += counts[2]
+        counts[2] = 0
+    return tuple(counts)
+
+
+def _whole_on(world, rank):
+    return tuple(1 if r == rank else 0 for r in range(world))
+
+
+def _muon_layouts(world):
+    """(shape, placement): element cuts, row cuts, whole-on-one-rank, 3-D per-expert rows."""
+    out = []
+    shapes = [(13, 7), (7, 13), (31, 17), (16, 16), (1, 9), (9, 1), (3, 5, 6), (4, 6, 5)]
+    for i, shape in enumerate(shapes):
+        nd = len(shape)
+        n = 1
+        for s in shape:
+            n *= s
+        out.append((shape, RaggedShard(tuple(range(nd)), _cuts(n, world, i), 1)))
+        rows = n // shape[-1]
+        out.append((shape, RaggedShard(tuple(range(nd - 1)), _cuts(rows, world, 100 + i), 1)))
+        if nd == 3:  # whole experts: rows:H
+            out.append((shape, RaggedShard((0, 1), _cuts(shape[0], world, 200 + i), shape[1])))
+        out.append((shape, RaggedShard((), _whole_on(world, i % world), 1)))
+    return out
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, rf.RaggedDTensor) else t
+
+
+def _grads(shapes, step, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def _muon_pair(world, layouts, **kw):
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [s for s, _ in layouts]
+    init = _grads(shapes, -1, seed=7)
+    ours = [rf.distribute_tensor(x, mesh, [p], src_data_rank=None).requires_grad_() for x, (_, p) in
+            zip(init, layouts)]
+    ref = []
+    for x in init:  # torch's Muon is 2-D only: a 3-D tensor is a list of expert matrices
+        ref.append([x[k].clone().requires_grad_() for k in range(x.shape[0])] if x.dim() == 3
+                   else [x.clone().requires_grad_()])
+    return mesh, ours, ref, Muon(ours, **kw), torch.optim.Muon([q for r in ref for q in r], **kw)
+
+
+def _muon_steps(mesh, layouts, ours, ref, opt, ref_opt, steps, first=0):
+    shapes = [s for s, _ in layouts]
+    for step in range(first, first + steps):
+        for p, g, (_, pl), r in zip(ours, _grads(shapes, step), layouts, ref):
+            p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+            for k, q in enumerate(r):
+                q.grad = (g[k] if len(r) > 1 or g.dim() == 3 else g).clone()
+        opt.step()
+        ref_opt.step()
+
+
+def case_muon_bitwise(rank, world):
+    layouts = _muon_layouts(world)
+    for kw in ({"lr": 0.02}, {"lr": 0.01, "nesterov": False, "weight_decay": 0.0,
+                              "adjust_lr_fn": "match_rms_adamw", "ns_steps": 3}):
+        mesh, ours, ref, opt, ref_opt = _muon_pair(world, layouts, **kw)
+        _muon_steps(mesh, layouts, ours, ref, opt, ref_opt, 5)
+        for i, (p, r, (shape, pl)) in enumerate(zip(ours, ref, layouts)):
+            want = torch.stack(r) if len(shape) == 3 else r[0]
+            got = p.full_tensor()
+            assert torch.equal(got, want.detach()), (i, shape, pl, kw, (got - want).abs().max())
+
+
+def case_muon_whole_matrices_move_nothing(rank, world):
+    """Matrices the layout keeps whole are owned where they lie: no bytes, no collective."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(12, 8), (8, 12), (5, 5), (16, 4), (2, 6, 4)]
+    layouts = []
+    for i, s in enumerate(shapes):
+        if len(s) == 3:
+            layouts.append((s, RaggedShard((0, 1), _cuts(s[0], world, i), s[1])))
+        else:
+            layouts.append((s, RaggedShard((), _whole_on(world, i % world), 1)))
+    ps = [rf.distribute_tensor(torch.randn(s), mesh, [p], src_data_rank=None).requires_grad_()
+          for s, p in layouts]
+    opt = Muon(ps, lr=0.02)
+    calls = []
+    orig = dist.all_to_all_single
+
+    def spy(*a, **k):
+        calls.append(1)
+        return orig(*a, **k)
+
+    dist.all_to_all_single = spy
+    try:
+        for step in range(2):
+            for p, g, (_, pl) in zip(ps, _grads(shapes, step), layouts):
+                p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+            opt.step()
+    finally:
+        dist.all_to_all_single = orig
+    assert calls == [], calls
+    assert opt.last_step_stats["bytes_sent"] == 0
+
+
+def case_muon_flops_balance_and_bytes(rank, world):
+    """Split matrices are owned so Newton-Schulz flops balance; stats match the plan."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(24, 24)] * 6 + [(24, 48)] * 4 + [(48, 24)] * 4 + [(8, 8)] * 3
+    layouts = [(s, RaggedShard((0, 1), _cuts(s[0] * s[1], world, i), 1)) for i, s in enumerate(shapes)]
+    ps = [rf.distribute_tensor(torch.randn(s), mesh, [p], src_data_rank=None).requires_grad_()
+          for s, p in layouts]
+    opt = Muon(ps, lr=0.02)
+    for p, g, (_, pl) in zip(ps, _grads(shapes, 0), layouts):
+        p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+    opt.step()
+    st = opt.last_step_stats
+    per_rank = st["ns_flops_per_rank"]
+    assert len(per_rank) == world
+    assert per_rank[rank] == st["ns_flops"]
+    mean = sum(per_rank) / world
+    assert max(per_rank) / mean <= 1.15, per_rank
+    # every rank's bytes add up: what all ranks send equals what all ranks receive
+    b = torch.tensor([st["bytes_sent"], st["bytes_recv"]], dtype=torch.float64)
+    dist.all_reduce(b)
+    assert b[0] == b[1]
+    if world > 1:
+        assert st["bytes_sent"] <= st["allgather_bytes_sent"] or st["allgather_bytes_sent"] == 0
+
+
+def case_muon_grad_accumulation_one_ns_per_step(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    s = (10, 6)
+    pl = RaggedShard((0, 1), _cuts(60, world, 3), 1)
+    p = rf.distribute_tensor(torch.randn(s), mesh, [pl], src_data_rank=None).requires_grad_()
+    opt = Muon([p], lr=0.02)
+    for step in range(3):
+        for micro in range(4):  # accumulate micro-batch gradients, then one optimizer step
+            g = rf.distribute_tensor(_grads([s], step * 10 + micro)[0], mesh, [pl], src_data_rank=None)
+            p.grad = g if p.grad is None else p.grad + g
+        opt.step()
+        opt.zero_grad()
+    calls = torch.tensor([opt.ns_calls])
+    dist.all_reduce(calls)
+    assert int(calls) == 3, int(calls)  # one Newton-Schulz per matrix per step, over all ranks
+
+
+def case_muon_adamw_groups_bitwise(rank, world):
+    """use_muon=False groups run AdamW: bitwise torch.optim.AdamW, with AdamW's defaults."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(37,), (6, 11), (300,)]
+    layouts = [(s, RaggedShard(tuple(range(len(s))), _cuts(s[0] * (s[1] if len(s) > 1 else 1), world, i), 1))
+               for i, s in enumerate(shapes)]
+    init = _grads(shapes, -1, seed=3)
+    ours = [rf.distribute_tensor(x, mesh, [p], src_data_rank=None).requires_grad_() for x, (_, p) in zip(init, layouts)]
+    ref = [x.clone().requires_grad_() for x in init]
+    opt = Muon([{"params": ours, "use_muon": False, "lr": 3e-3}], lr=0.02)
+    ref_opt = torch.optim.AdamW(ref, lr=3e-3)
+    assert opt.param_groups[0]["eps"] == 1e-8 and opt.param_groups[0]["weight_decay"] == 1e-2
+    for step in range(5):
+        for p, r, g, (_, pl) in zip(ours, ref, _grads(shapes, step), layouts):
+            p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+            r.grad = g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        assert torch.equal(p.full_tensor(), r.detach())
+
+
+def case_muon_state_reshards(rank, world):
+    """Save after 2 steps under one layout, load under another (full tensors and DTensors),
+    continue 3 steps: equal to never stopping."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(13, 7), (3, 5, 6), (20,)]
+    la = [(s, RaggedShard(tuple(range(len(s))), _cuts(_n(s), world, i), 1)) for i, s in enumerate(shapes)]
+    lb = [(s, RaggedShard(tuple(range(len(s))), _cuts(_n(s), world, 50 + i), 1)) for i, s in enumerate(shapes)]
+    init = _grads(shapes, -1, seed=5)
+
+    def build(layouts):
+        ps = [rf.distribute_tensor(x, mesh, [p], src_data_rank=None).requires_grad_() for x, (_, p) in zip(init, layouts)]
+        opt = Muon([{"params": ps[:2]}, {"params": ps[2:], "use_muon": False}], lr=0.02)
+        return ps, opt
+
+    def run(ps, opt, layouts, steps, first):
+        for step in range(first, first + steps):
+            for p, g, (_, pl) in zip(ps, _grads(shapes, step), layouts):
+                p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+            opt.step()
+
+    pa, oa = build(la)
+    run(pa, oa, la, 2, 0)
+    sd = oa.state_dict()
+    saved = {"param_groups": sd["param_groups"],
+             "state": {k: {n: v.clone() for n, v in st.items()} for k, st in sd["state"].items()}}
+    at_two = [p.full_tensor() for p in pa]
+    run(pa, oa, la, 3, 2)
+    ref = [p.full_tensor() for p in pa]
+    for as_full in (True, False):
+        pb, ob = build(lb)
+        with torch.no_grad():
+            for x, y in zip(pb, at_two):
+                x.copy_(y)
+        ob.load_state_dict({
+            "param_groups": saved["param_groups"],
+            "state": {k: {n: (_full(v) if as_full else v) for n, v in st.items()}
+                      for k, st in saved["state"].items()},
+        })
+        assert ob.state[pb[0]]["momentum_buffer"].ragged_placement == lb[0][1]
+        assert ob.state[pb[2]]["exp_avg"].ragged_placement == lb[2][1]
+        run(pb, ob, lb, 3, 2)
+        for x, y in zip(pb, ref):
+            assert torch.equal(x.full_tensor(), y), as_full
+
+
+def _n(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# -- AdamW8bit -----------------------------------------------------------------------------
+
+A8_SHAPES = [(64, 129), (5000,), (40, 128), (300,), (3, 48, 50), (10, 10)]
+
+
+def _a8_layouts(world):
+    """Block-aligned layouts: 256-element flat blocks (partial last block), rows of 256
+    elements, whole tensors; small tensors cut anywhere (fp32 states, no block)."""
+    out = []
+    for i, s in enumerate(A8_SHAPES):
+        n = _n(s)
+        nd = len(s)
+        if n < 4096:
+            out.append((s, RaggedShard(tuple(range(nd)), _cuts(n, world, i), 1)))
+        elif s == (40, 128):  # rows:4 = 512 elements = two blocks
+            out.append((s, RaggedShard((0,), _cuts(10, world, i), 4)))
+        elif s == (3, 48, 50):  # whole tensor on one rank
+            out.append((s, RaggedShard((), _whole_on(world, (i + 1) % world), 1)))
+        else:
+            out.append((s, RaggedShard(tuple(range(nd)), _cuts(-(-n // 256), world, i), 256)))
+    return out
+
+
+def _a8_run(world, layouts, steps, mesh=None, plain=False):
+    init = _grads(A8_SHAPES, -1, seed=11)
+    if plain:
+        ps = [x.clone().requires_grad_() for x in init]
+    else:
+        ps = [rf.distribute_tensor(x, mesh, [p], src_data_rank=None).requires_grad_() for x, (_, p) in zip(init, layouts)]
+    opt = AdamW8bit([{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+    for step in range(steps):
+        for p, g, (_, pl) in zip(ps, _grads(A8_SHAPES, step), layouts):
+            p.grad = g.clone() if plain else rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+        opt.step()
+    return ps, opt
+
+
+def case_adamw8bit_bitwise_across_world(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    layouts = _a8_layouts(world)
+    ps, opt = _a8_run(world, layouts, 20, mesh)
+    ref_ps, ref_opt = _a8_run(world, layouts, 20, plain=True)
+    for p, r in zip(ps, ref_ps):
+        assert torch.equal(p.full_tensor(), r.detach()), tuple(p.shape)
+        st, rst = opt.state[p], ref_opt.state[r]
+        assert set(st) == set(rst)
+        for k in st:
+            a = st[k].full_tensor() if isinstance(st[k], rf.RaggedDTensor) else st[k]
+            assert a.dtype == rst[k].dtype and torch.equal(a, rst[k]), (tuple(p.shape), k)
+        if _n(p.shape) >= 4096:
+            assert st["exp_avg_codes"].dtype == torch.uint8
+            assert isinstance(st["exp_avg_codes"], rf.RaggedDTensor)
+            assert st["exp_avg_codes"]._spec.placements == p._spec.placements
+            assert isinstance(st["exp_avg_absmax"], rf.RaggedDTensor)
+            assert tuple(st["exp_avg_absmax"].shape) == (-(-_n(p.shape) // 256),)
+        else:
+            assert st["exp_avg"].dtype == torch.float32
+
+
+def case_adamw8bit_cut_block_is_an_error(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    s = (64, 129)
+    if world == 1:
+        return
+    pl = RaggedShard((0, 1), (1000,) + (0,) * (world - 2) + (64 * 129 - 1000,), 1)
+    p = rf.distribute_tensor(torch.randn(s), mesh, [pl], src_data_rank=None).requires_grad_()
+    with pytest.raises(ValueError, match=r"'w'.*cutting a 256-element quantisation block at element 1000.*AdamW8bit.granularity"):
+        AdamW8bit([("w", p)])
+    AdamW8bit([("w", p)], min_8bit_size=64 * 129 + 1)  # fp32 states: any layout works
+
+
+def case_adamw8bit_state_reshards(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    la = _a8_layouts(world)
+    lb = [(s, RaggedShard(p.dims, tuple(reversed(p.local_units)), p.unit)) for s, p in la]
+    pa, oa = _a8_run(world, la, 3, mesh)
+    sd = oa.state_dict()
+    full_sd = {"param_groups": sd["param_groups"],
+               "state": {k: {n: _full(v) for n, v in st.items()} for k, st in sd["state"].items()}}
+    for src in (sd, full_sd):
+        init = [p.full_tensor() for p in pa]
+        pb = [rf.distribute_tensor(x, mesh, [p], src_data_rank=None).requires_grad_() for x, (_, p) in zip(init, lb)]
+        ob = AdamW8bit([{"params": pb[:3]}, {"params": pb[3:], "weight_decay": 0.0, "lr": 3e-3}], lr=1e-2)
+        ob.load_state_dict(src)
+        for p, q in zip(pb, pa):
+            for k, v in ob.state[p].items():
+                w = oa.state[q][k]
+                assert v.dtype == w.dtype, k
+                assert torch.equal(_full(v), _full(w)), k
+                if isinstance(v, rf.RaggedDTensor) and not k.endswith("absmax"):
+                    assert v.ragged_placement == p.ragged_placement
+
+
+# -- runner ------------------------------------------------------------------------------
+
+CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4])
+def results(request):
+    return request.param, run_cases(request.param, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+def test_optim_dist(results, case):
+    world, res = results
+    err = res[f"{case.__module__}.{case.__name__}"]
+    if err:
+        pytest.fail(f"W={world}:\n{err}", pytrace=False)
