@@ -84,3 +84,102 @@ def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
         if n < world and not out[name]:
             out[name] = f"{world - n} rank(s) did not report (crash or timeout); exit codes {[p.exitcode for p in procs]}"
     return out
+
+
+# -- training comparisons (used by tests/test_fsdp_*.py) ----------------------------------
+
+def cpu_mesh(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def global_batch(step: int, batch: int, seq: int, vocab: int, seed: int = 1234):
+    """The same (tokens, targets) on every rank for a given step."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + step)
+    data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def full(p):
+    """A parameter or gradient as a full plain tensor (gathers DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
+def compare_training(
+    rank: int,
+    world: int,
+    build,
+    wrap,
+    *,
+    steps: int = 5,
+    batch_per_rank: int = 2,
+    seq: int = 16,
+    lr: float = 1e-2,
+    micro: int = 1,
+    sync_each_micro: bool = False,
+    loss_rtol: float = 1e-5,
+    param_atol: float = 5e-4,
+    check_grad_none: bool = True,
+    after_step=None,
+):
+    """Train ``wrap(build(), mesh)`` on W ranks and ``build()`` in one process on the same
+    global batches with AdamW; check losses (relative) and parameters (absolute).
+
+    ``build()`` must give identical models when called under the same seed. With
+    ``micro > 1`` each step accumulates ``micro`` micro-batches (without gradient sync
+    except the last unless ``sync_each_micro``); the reference sees one large batch.
+    """
+    import torch
+    import torch.distributed as dist
+
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    model = build()
+    model = wrap(model, mesh) or model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True)
+    vocab = ref.cfg.vocab_size
+    B = batch_per_rank * world * micro
+    for step in range(steps):
+        tokens, targets = global_batch(step, B, seq, vocab)
+        ref_loss = ref.loss(tokens, targets)
+        ref_loss.backward()
+        total = torch.zeros(())
+        per = batch_per_rank * world
+        for m in range(micro):
+            lo = m * per + rank * batch_per_rank
+            t, y = tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank]
+            if micro > 1 and not sync_each_micro:
+                model.set_requires_gradient_sync(m == micro - 1)
+            loss = model.loss(t, y) / micro
+            loss.backward()
+            total += loss.detach()
+        dist.all_reduce(total)
+        total /= world
+        rel = abs(total.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)
+        assert rel <= loss_rtol, f"step {step}: loss {total.item()} vs reference {ref_loss.item()} (rel {rel:.2e})"
+        named_ref = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            q = named_ref[name]
+            if check_grad_none:
+                assert (p.grad is None) == (q.grad is None), (
+                    f"step {step}: {name}.grad is {'None' if p.grad is None else 'set'} but the "
+                    f"reference's is {'None' if q.grad is None else 'set'}")
+        if after_step is not None:
+            after_step(step, model, ref)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    named_ref = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        err = (full(p).detach() - named_ref[name].detach()).abs().max().item()
+        assert err <= param_atol, f"{name}: max |param - reference| = {err:.2e} > {param_atol}"
+    return model, ref
