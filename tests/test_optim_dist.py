@@ -338,6 +338,93 @@ def case_adamw8bit_state_reshards(rank, world):
                     assert v.ragged_placement == p.ragged_placement
 
 
+# -- with the engine (fully_shard) ----------------------------------------------------------
+
+def _llama_pair(world, granularity_fn):
+    from ragged_fsdp.fsdp import fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+    mesh = init_device_mesh("cpu", (world,))
+    cfg = LlamaConfig.tiny(n_layers=1)
+    torch.manual_seed(0)
+    model = Llama(cfg)
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    fn = granularity_fn(model) if granularity_fn is not None else None
+    for b in model.layers:
+        fully_shard(b, mesh=mesh, granularity_fn=fn)
+    fully_shard(model, mesh=mesh, granularity_fn=fn)
+    return model, ref
+
+
+def _same_grads(model, ref, step):
+    """Identical gradients: a full gradient per parameter, sharded like the parameter."""
+    g = torch.Generator().manual_seed(step)
+    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        full = torch.randn(r.shape, generator=g)
+        r.grad = full.clone()
+        p.grad = rf.distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+
+
+def case_fully_shard_muon_bitwise(rank, world):
+    from ragged_fsdp.optim import combined_granularity, muon_param_groups
+
+    for policy in (combined_granularity, None):  # whole matrices, then element granularity
+        model, ref = _llama_pair(world, policy)
+        opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-3}))
+        groups = muon_param_groups(ref)
+        ref_m = torch.optim.Muon([p for _, p in groups[0]["params"]], lr=0.02)
+        ref_a = torch.optim.AdamW([p for _, p in groups[1]["params"]], lr=3e-3)
+        for step in range(3):
+            _same_grads(model, ref, step)
+            opt.step()
+            ref_m.step()
+            ref_a.step()
+        if policy is not None:
+            assert opt.last_step_stats["bytes_sent"] == 0
+        for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            assert torch.equal(p.full_tensor(), r.detach()), (n, policy)
+
+
+def case_fully_shard_adamw8bit_bitwise(rank, world):
+    from ragged_fsdp.optim import AdamW8bit as A8
+
+    # the tiny model's matrices have 1152..4608 elements: min_8bit_size=1024 puts all on 8 bits
+    model, ref = _llama_pair(world, lambda m: A8.granularity_for(256, 1024))
+    opt = A8(model.parameters(), lr=1e-2, min_8bit_size=1024)
+    ref_opt = A8(ref.parameters(), lr=1e-2, min_8bit_size=1024)
+    for step in range(4):
+        _same_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    for (n, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p.full_tensor(), r.detach()), n
+        for k, v in opt.state[p].items():
+            assert torch.equal(_full(v), ref_opt.state[r][k]), (n, k)
+
+
+def case_fully_shard_train_muon_and_8bit(rank, world):
+    """The combined setup trains: Muon on hidden matrices, AdamW8bit on the rest."""
+    from ragged_fsdp.optim import AdamW8bit as A8, combined_granularity, split_params
+
+    model, _ = _llama_pair(world, lambda m: combined_granularity(m, other=A8.granularity_for(256, 1024)))
+    hidden, rest = split_params(model)
+    muon = Muon([p for _, p in hidden], lr=0.02)
+    adam = A8([p for _, p in rest], lr=3e-3, min_8bit_size=1024)
+    g = torch.Generator().manual_seed(1)
+    tok = torch.randint(0, 96, (4, 16), generator=g)
+    losses = []
+    for step in range(6):
+        loss = model.loss(tok[:, :-1], tok[:, 1:])
+        loss.backward()
+        muon.step()
+        adam.step()
+        muon.zero_grad()
+        adam.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] * 0.9, losses
+
+
 # -- runner ------------------------------------------------------------------------------
 
 CASES = [v for k, v in sorted(globals().items()) if k.startswith("case_")]
