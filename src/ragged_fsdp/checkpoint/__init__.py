@@ -1,0 +1,38 @@
+"""Checkpoints for RaggedShard models and optimizers.
+
+* ``dcp.save`` / ``dcp.load`` work directly on state dicts holding RaggedDTensors: each
+  rank's ragged run is described as a few rectangular boxes (``dcp_hooks``), so a
+  checkpoint saved at one world size and granularity loads at any other, and into a plain
+  unsharded model.
+* ``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``, ``get_/set_state_dict``:
+  same signatures as ``torch.distributed.checkpoint.state_dict``; torch's own functions
+  reject full state dicts for RaggedShard models (``full_state_dict=True`` loading and
+  ``broadcast_from_rank0`` go through torch's ``distribute_tensor``), ours do not. torch is
+  not patched.
+* ``save(state, root)`` / ``load_latest(root, state)``: atomic checkpoints (a save is
+  published by a rename once every rank is done; incomplete ones are skipped), and ``load``:
+  ``dcp.load`` that refuses any key or shape mismatch, in both directions, naming the keys.
+* ``dcp_to_torch_save`` / ``torch_save_to_dcp`` (also ``python -m ragged_fsdp ckpt convert``).
+"""
+
+from .atomic import Checkpoint, latest_checkpoint, list_checkpoints, load_latest, save
+from .convert import dcp_to_torch_save, read_full, resolve, torch_save_to_dcp
+from .state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from .strict import CheckpointMismatchError, check_state, load, read_metadata
+from .train_state import TrainState
+
+__all__ = [
+    "Checkpoint", "CheckpointMismatchError", "StateDictOptions", "TrainState",
+    "check_state", "dcp_to_torch_save", "get_model_state_dict", "get_optimizer_state_dict",
+    "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",
+    "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",
+    "set_optimizer_state_dict", "set_state_dict", "torch_save_to_dcp",
+]

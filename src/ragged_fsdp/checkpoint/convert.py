@@ -1,0 +1,123 @@
+"""Between DCP directories and plain ``torch.save`` files, in one process, no process group.
+
+A DCP checkpoint written by any number of ranks with any RaggedShard layout is a set of
+boxes per tensor; reading it whole just means asking DCP for every tensor at full size.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ._tree import set_element
+from .strict import read_metadata
+
+__all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp"]
+
+
+def resolve(path: str | os.PathLike) -> str:
+    """A DCP directory itself, or the newest published checkpoint under a root written by
+    :func:`ragged_fsdp.checkpoint.save`."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, ".metadata")):
+        return path
+    from .atomic import latest_checkpoint
+
+    if os.path.isdir(path):
+        found = latest_checkpoint(path)
+        if found is not None:
+            return found.path
+    raise FileNotFoundError(
+        f"{path} is neither a DCP checkpoint directory (no .metadata) nor a root holding "
+        "published checkpoints (step-<n>/ directories)"
+    )
+
+
+def read_full(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]:
+    """The whole checkpoint (or only its top-level entry ``key``, e.g. ``"model"``) as a
+    nested dict of plain CPU tensors and Python values, nested as it was saved.
+
+    Optimizer state dicts get their integer parameter ids back (DCP stores dict keys as
+    strings), so ``optimizer.load_state_dict`` accepts them."""
+    path = resolve(path)
+    md = read_metadata(path)
+    paths = md.planner_data or {}
+    flat: dict[str, Any] = {}
+    for k, m in md.state_dict_metadata.items():
+        obj_path = tuple(paths.get(k, (k,)))
+        if key is not None and str(obj_path[0]) != key:
+            continue
+        if isinstance(m, TensorStorageMetadata):
+            flat[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        else:
+            flat[k] = None  # bytes entries: DCP puts the unpickled object here
+    if not flat:
+        tops = sorted({str(tuple(paths.get(k, (k,)))[0]) for k in md.state_dict_metadata})
+        raise KeyError(f"{path} has no top-level key {key!r}; it has {tops}")
+    dcp.load(
+        flat,
+        storage_reader=dcp.FileSystemReader(path),
+        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
+        no_dist=True,
+    )
+    nested: dict[str, Any] = {}
+    for k, v in flat.items():
+        set_element(nested, tuple(paths.get(k, (k,))), v)
+    _restore_optimizer_ids(nested)
+    return nested if key is None else nested[key]
+
+
+def _restore_optimizer_ids(obj: Any) -> None:
+    """``{"state": {"0": ...}, "param_groups": [{"params": [0, ...]}]}`` -> int state keys."""
+    if isinstance(obj, dict):
+        groups, state = obj.get("param_groups"), obj.get("state")
+        if isinstance(groups, list) and isinstance(state, dict):
+            ids = {p for g in groups if isinstance(g, dict) for p in g.get("params", []) if isinstance(p, int)}
+            for k in list(state):
+                if isinstance(k, str) and k.isdigit() and int(k) in ids:
+                    state[int(k)] = state.pop(k)
+        for v in obj.values():
+            _restore_optimizer_ids(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _restore_optimizer_ids(v)
+
+
+def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None) -> dict:
+    """Write the checkpoint ``src`` (a DCP directory or a root of published checkpoints) as
+    one ``torch.save`` file; ``key`` keeps only one part (e.g. ``"model"``, giving a plain
+    ``model.load_state_dict`` input). Returns the state dict written."""
+    state = read_full(src, key)
+    out = os.fspath(out)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return state
+
+
+def torch_save_to_dcp(
+    src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None, root: bool = False,
+    step: int | None = None,
+) -> str:
+    """Write the ``torch.save`` file ``src`` as a DCP checkpoint loadable with ``dcp.load``
+    at any world size and layout. ``key`` nests it under that name (``{"model": ...}``).
+    With ``root=True``, ``out`` is a root and the checkpoint is published atomically as a
+    new step there (what ``load_latest`` reads). Returns the DCP directory."""
+    state = torch.load(os.fspath(src), map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{src} holds a {type(state).__name__}, not a state dict")
+    if key is not None:
+        state = {key: state}
+    out = os.fspath(out)
+    if root:
+        from .atomic import save
+
+        return save(state, out, step=step).path
+    if os.path.exists(os.path.join(out, ".metadata")):
+        raise FileExistsError(f"{out} already holds a DCP checkpoint; remove it or pick another directory")
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+    return out

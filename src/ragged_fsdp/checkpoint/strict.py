@@ -1,0 +1,117 @@
+"""Loading that never half-succeeds: compare the state with the checkpoint first.
+
+``dcp.load`` already refuses a key the checkpoint lacks and a tensor of another size, but it
+silently ignores what the checkpoint has and the state does not (a checkpoint of a bigger
+model, or optimizer states that a fresh optimizer does not have yet). ``load`` here checks
+both directions, and tensor shapes, before reading a byte, and names every offending key.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
+
+from ._tree import flatten
+
+__all__ = ["CheckpointMismatchError", "check_state", "load", "read_metadata", "stateful_to_state_dict"]
+
+
+class CheckpointMismatchError(ValueError):
+    """The state to load into and the checkpoint disagree; ``missing``, ``unexpected`` and
+    ``mismatched`` hold the keys (DCP's dotted keys)."""
+
+    def __init__(self, message: str, missing=(), unexpected=(), mismatched=()):
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+
+def read_metadata(path: str | os.PathLike) -> Metadata:
+    path = os.fspath(path)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
+    return dcp.FileSystemReader(path).read_metadata()
+
+
+def _listing(keys, other_tops=None, limit=20) -> str:
+    """Keys, with whole top-level entries that the other side lacks folded into one item."""
+    keys = list(keys)
+    items, folded = [], {}
+    for k in keys:
+        top = k.split(".", 1)[0]
+        if other_tops is not None and top not in other_tops and k != top:
+            folded.setdefault(top, 0)
+            folded[top] += 1
+        else:
+            items.append(k)
+    items = [f"{t}.* ({n} entries)" for t, n in folded.items()] + items
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def check_state(state: dict[str, Any], metadata: Metadata, *, where: str = "the checkpoint") -> None:
+    """Raise :class:`CheckpointMismatchError` unless ``state`` (already through
+    ``state_dict()`` for Stateful values) has exactly the checkpoint's keys, with tensors
+    where it has tensors and of the same global shapes."""
+    flat, _ = flatten(state)
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    unexpected = sorted(k for k in saved if k not in flat)
+    mismatched = []
+    for k in sorted(set(flat) & set(saved)):
+        v, md = flat[k], saved[k]
+        if isinstance(md, TensorStorageMetadata):
+            if not isinstance(v, torch.Tensor):
+                mismatched.append(f"{k} (a tensor {tuple(md.size)} in {where}, a {type(v).__name__} here)")
+            elif tuple(v.shape) != tuple(md.size):
+                mismatched.append(f"{k} (shape {tuple(md.size)} in {where}, {tuple(v.shape)} here)")
+        elif isinstance(md, BytesStorageMetadata) and isinstance(v, torch.Tensor) and v.dim() > 0:
+            mismatched.append(f"{k} (not a tensor in {where}, a tensor of shape {tuple(v.shape)} here)")
+    if missing or unexpected or mismatched:
+        state_tops = {k.split(".", 1)[0] for k in flat}
+        saved_tops = {k.split(".", 1)[0] for k in saved}
+        parts = []
+        if missing:
+            parts.append(f"keys missing from {where}: {_listing(missing, saved_tops)}")
+        if unexpected:
+            parts.append(f"keys in {where} that the state lacks: {_listing(unexpected, state_tops)}")
+        if mismatched:
+            parts.append(f"keys of another shape or kind: {_listing(mismatched)}")
+        hint = ""
+        if any(".state." in k and k.split(".", 1)[0] in state_tops for k in unexpected):
+            hint = (
+                " (an optimizer that has not stepped has no state yet: load through "
+                "ragged_fsdp.checkpoint.TrainState or set_optimizer_state_dict, which create it)"
+            )
+        raise CheckpointMismatchError(
+            "ragged_fsdp: the checkpoint does not match the state to load into; nothing was "
+            "loaded. " + "; ".join(parts) + hint,
+            missing, unexpected, mismatched,
+        )
+
+
+def stateful_to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
+    """What DCP does first: Stateful values (modules, optimizers, TrainState) become their
+    ``state_dict()``."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
+
+
+def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True, process_group=None) -> None:
+    """``dcp.load(state, checkpoint_id=path)`` that checks keys and shapes first (both ways
+    when ``strict``) and then calls ``load_state_dict`` on Stateful values, as DCP does."""
+    path = os.fspath(path)
+    sd = stateful_to_state_dict(state)
+    md = read_metadata(path)
+    if strict:
+        check_state(sd, md, where=path)
+    planner = None if strict else dcp.DefaultLoadPlanner(allow_partial_load=True)
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=process_group)
+    for k, v in state.items():
+        if isinstance(v, Stateful):
+            v.load_state_dict(sd[k])

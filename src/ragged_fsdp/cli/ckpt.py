@@ -1,0 +1,115 @@
+"""`ckpt`: inspect and convert checkpoints.
+
+    python -m ragged_fsdp ckpt convert DIR OUT.pt [--key model]   DCP -> torch.save
+    python -m ragged_fsdp ckpt convert IN.pt OUTDIR [--key model] torch.save -> DCP
+    python -m ragged_fsdp ckpt convert IN.pt ROOT --root          ... published as a new step
+    python -m ragged_fsdp ckpt ls ROOT                             published checkpoints
+    python -m ragged_fsdp ckpt info DIR                            keys, shapes, dtypes, chunks
+
+DIR may be a DCP directory or a root written by ``ragged_fsdp.checkpoint.save`` (its newest
+published checkpoint is used). No process group is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect and convert checkpoints (DCP <-> torch.save)",
+                       description=__doc__.split("\n\n")[0])
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
+    c = cmds.add_parser(
+        "convert",
+        help="DCP directory -> one torch.save file, or a torch.save file -> DCP directory",
+        description="The direction follows SRC: a directory (DCP checkpoint or a root of "
+        "published checkpoints) is written to the file DST with torch.save; a file is written "
+        "to the directory DST as a DCP checkpoint.",
+    )
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--key", default=None,
+                   help="DCP->file: keep only this top-level entry (e.g. 'model'); "
+                        "file->DCP: nest the file's state dict under this name")
+    c.add_argument("--root", action="store_true",
+                   help="file->DCP: DST is a root; publish the checkpoint atomically as a new step")
+    c.add_argument("--step", type=int, default=None, help="with --root: the step to publish as")
+    ls = cmds.add_parser("ls", help="list published checkpoints under a root")
+    ls.add_argument("root")
+    info = cmds.add_parser("info", help="keys, shapes, dtypes and chunk counts of a checkpoint")
+    info.add_argument("path")
+    p.set_defaults(_ckpt_parser=p)
+
+
+def run(args) -> int:
+    from ragged_fsdp import checkpoint as ck
+
+    action = getattr(args, "ckpt_command", None)
+    if action is None:
+        args._ckpt_parser.print_help()
+        return 0
+    try:
+        if action == "convert":
+            return _convert(args, ck)
+        if action == "ls":
+            found = ck.list_checkpoints(args.root)
+            if not found:
+                print(f"no published checkpoint under {args.root}")
+                return 1
+            for c in found:
+                print(f"{c.step:>10}  {c.path}")
+            return 0
+        if action == "info":
+            return _info(args.path, ck)
+    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
+        print(f"ckpt {action}: {e}", file=sys.stderr)
+        return 2
+    raise AssertionError(action)
+
+
+def _convert(args, ck) -> int:
+    if os.path.isdir(args.src):
+        src = ck.resolve(args.src)
+        state = ck.dcp_to_torch_save(src, args.dst, key=args.key)
+        print(f"wrote {args.dst} ({_count(state)} tensors) from {src}")
+        return 0
+    if os.path.isfile(args.src):
+        out = ck.torch_save_to_dcp(args.src, args.dst, key=args.key, root=args.root, step=args.step)
+        print(f"wrote DCP checkpoint {out} from {args.src}")
+        return 0
+    raise FileNotFoundError(f"{args.src} does not exist")
+
+
+def _count(obj) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if isinstance(obj, dict):
+        return sum(_count(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_count(v) for v in obj)
+    return 0
+
+
+def _info(path, ck) -> int:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = ck.resolve(path)
+    md = ck.read_metadata(path)
+    print(path)
+    total = 0
+    for k in sorted(md.state_dict_metadata):
+        m = md.state_dict_metadata[k]
+        if isinstance(m, TensorStorageMetadata):
+            n = 1
+            for s in m.size:
+                n *= s
+            total += n * m.properties.dtype.itemsize
+            dtype = str(m.properties.dtype).replace("torch.", "")
+            print(f"  {k}  {tuple(m.size)}  {dtype}  {len(m.chunks)} chunk(s)")
+        else:
+            print(f"  {k}  (object)")
+    print(f"{len(md.state_dict_metadata)} entries, {total / 2**20:.2f} MiB of tensors")
+    return 0
