@@ -122,6 +122,7 @@ def compare_training(
     lr: float = 1e-2,
     micro: int = 1,
     sync_each_micro: bool = False,
+    keep_unsharded_between_micro: bool = False,
     loss_rtol: float = 1e-5,
     param_atol: float = 5e-4,
     check_grad_none: bool = True,
@@ -132,7 +133,8 @@ def compare_training(
 
     ``build()`` must give identical models when called under the same seed. With
     ``micro > 1`` each step accumulates ``micro`` micro-batches (without gradient sync
-    except the last unless ``sync_each_micro``); the reference sees one large batch.
+    except the last unless ``sync_each_micro``; with ``keep_unsharded_between_micro`` the
+    parameters also stay unsharded until the last); the reference sees one large batch.
     """
     import torch
     import torch.distributed as dist
@@ -158,6 +160,8 @@ def compare_training(
             t, y = tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank]
             if micro > 1 and not sync_each_micro:
                 model.set_requires_gradient_sync(m == micro - 1)
+            if micro > 1 and keep_unsharded_between_micro:  # torch's recipe: no re-gather
+                model.set_reshard_after_backward(m == micro - 1)
             loss = model.loss(t, y) / micro
             loss.backward()
             total += loss.detach()

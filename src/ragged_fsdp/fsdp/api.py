@@ -35,7 +35,7 @@ from .state import FSDPState
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
 
 _STATE_ATTR = "_ragged_fsdp_state"
-_managed_params: "weakref.WeakSet[nn.Parameter]" = weakref.WeakSet()  # originals taken by a group
+_managed_params: dict[int, weakref.ref] = {}  # id -> original parameters a group took
 _fsdp_classes: dict[type, type] = {}
 
 
@@ -104,7 +104,7 @@ def fully_shard(
         )
         state.group = group
         for _, p, _ in params:
-            _managed_params.add(p)
+            _managed_params[id(p)] = weakref.ref(p)
         _register_state_dict_hooks(group)
     for m in modules:
         m.__dict__[_STATE_ATTR] = state
@@ -194,7 +194,8 @@ def _collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tupl
                             "by the fully_shard of an enclosing module. Apply fully_shard bottom-up: "
                             "children first, then their parents"
                         )
-                    if p in _managed_params:
+                    ref = _managed_params.get(id(p))
+                    if ref is not None and ref() is p:
                         raise ValueError(
                             f"fully_shard: parameter {fqn!r} is shared (tied) with a parameter another "
                             "fully_shard group already manages. Put every module that uses it in one "

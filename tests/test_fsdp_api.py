@@ -1,0 +1,292 @@
+"""fully_shard's API contract: what parameters and grads are, module methods, moving and
+loading, and clear errors for bad input (W = 2, one launch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from _dist import compare_training, cpu_mesh, full, global_batch, run_cases
+
+from ragged_fsdp.fsdp import FSDPModule, fully_shard
+from ragged_fsdp.models.llama import Llama, LlamaConfig
+from ragged_fsdp.placement import RaggedDTensor, RaggedShard
+
+
+def _wrapped(mesh, cfg=None, **kw):
+    torch.manual_seed(0)
+    model = Llama(cfg or LlamaConfig.tiny())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def _wrap_blocks(model, mesh):
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _in_buffer(p, model_or_block) -> bool:
+    """Whether ``p``'s local tensor lies inside one of the group's sharded segments."""
+    local = p._local_tensor
+    for buf in model_or_block.dbuffers:
+        seg = buf.sharded
+        lo = seg.data_ptr()
+        hi = lo + seg.numel() * seg.element_size()
+        if local.numel() == 0 or lo <= local.data_ptr() < hi:
+            if local.untyped_storage().data_ptr() == seg.untyped_storage().data_ptr() or local.numel() == 0:
+                return True
+    return False
+
+
+def _owner(model, name):
+    """The FSDP module whose group holds parameter ``name``."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return model.layers[int(parts[1])]
+    return model
+
+
+def _step(model, rank, world, step=0):
+    tokens, targets = global_batch(step, 2 * world, 8, model.cfg.vocab_size)
+    loss = model.loss(tokens[rank * 2:rank * 2 + 2], targets[rank * 2:rank * 2 + 2])
+    loss.backward()
+    return loss
+
+
+# -- what fully_shard returns ------------------------------------------------------------------
+def case_params_are_ragged_views_before_forward(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    assert isinstance(model, FSDPModule) and isinstance(model.layers[0], FSDPModule)
+    assert isinstance(model, Llama)
+    for name, p in model.named_parameters():
+        assert isinstance(p, nn.Parameter) and isinstance(p, DTensor) and isinstance(p, RaggedDTensor), name
+        assert isinstance(p.placements[0], RaggedShard)
+        assert _in_buffer(p, _owner(model, name)), name
+    # optimizer and state_dict before the first forward
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sd = model.state_dict()
+    assert all(isinstance(v, RaggedDTensor) for k, v in sd.items() if not k.startswith("rope")), list(sd)
+    assert set(sd) == set(dict(Llama(LlamaConfig.tiny()).state_dict()))
+    _step(model, rank, world)
+    for name, p in model.named_parameters():
+        assert isinstance(p.grad, RaggedDTensor), name
+        assert p.grad.placements == p.placements
+    opt.step()
+    for name, p in model.named_parameters():  # the optimizer updated the buffer in place
+        assert _in_buffer(p, _owner(model, name)), name
+
+
+def case_one_collective_buffer_per_dtype(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    assert len(model.layers[0].dbuffers) == 1
+    buf = model.layers[0].dbuffers[0]
+    assert buf.sharded.numel() == buf.layout.segment
+    assert buf.layout.total == world * buf.layout.segment
+    assert not buf.unsharded_allocated or buf.aliased  # freed between steps
+
+
+def case_unshard_reshard(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    block = model.layers[0]
+    block.unshard()
+    w = block.attention.wq.weight
+    assert not isinstance(w, DTensor) and tuple(w.shape) == (48, 48)
+    block.reshard()
+    assert isinstance(block.attention.wq.weight, RaggedDTensor)
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    full_w = block.attention.wq.weight.detach().clone()
+    block.reshard()
+    torch.testing.assert_close(full(block.attention.wq.weight), full_w)
+    torch.manual_seed(0)
+    torch.testing.assert_close(full_w, Llama(LlamaConfig.tiny()).layers[0].attention.wq.weight.detach())
+
+
+def case_manual_grad_is_honoured(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(full(p), before[n] - 0.5)
+    # an existing (hand-made) grad accumulates with the next backward's grad, as in torch
+    opt.zero_grad()
+    _step(model, rank, world)
+    reduced = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    _step(model, rank, world)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(full(p.grad), reduced[n] + 1.0, rtol=1e-5, atol=1e-6)
+
+
+def case_to_and_to_empty_keep_views(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    ids = {n: id(p) for n, p in model.named_parameters()}
+    vals = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    model.to("cpu")
+    for n, p in model.named_parameters():
+        assert id(p) == ids[n] and _in_buffer(p, _owner(model, n)), n
+        torch.testing.assert_close(full(p), vals[n])
+    sd = {k: v.detach().clone() if isinstance(v, RaggedDTensor) else v for k, v in model.state_dict().items()}
+    model.to_empty(device="cpu")
+    for n, p in model.named_parameters():
+        assert id(p) == ids[n] and _in_buffer(p, _owner(model, n)), n
+    model.load_state_dict(sd)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(full(p), vals[n])
+    _step(model, rank, world)
+
+
+def case_load_state_dict_assign(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    torch.manual_seed(3)
+    other = _wrapped(cpu_mesh(world), LlamaConfig.tiny())
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    want = {n: full(p).detach().clone() for n, p in other.named_parameters()}
+    model.load_state_dict(other.state_dict(), assign=True)
+    for n, p in model.named_parameters():
+        assert isinstance(p, RaggedDTensor) and _in_buffer(p, _owner(model, n)), n
+        torch.testing.assert_close(full(p), want[n])
+    # full (plain) tensors load too, with and without assign
+    plain = {k: (full(v).detach().clone() - 1.0 if isinstance(v, DTensor) else v) for k, v in other.state_dict().items()}
+    model.load_state_dict(plain, assign=True)
+    for n, p in model.named_parameters():
+        assert isinstance(p, RaggedDTensor) and _in_buffer(p, _owner(model, n)), n
+        torch.testing.assert_close(full(p), want[n] - 1.0)
+    model.load_state_dict({k: v + 2.0 if v.is_floating_point() and not k.startswith("rope") else v for k, v in plain.items()})
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(full(p), want[n] + 1.0)
+    _step(model, rank, world)
+    assert all(isinstance(p.grad, RaggedDTensor) for p in model.parameters())
+
+
+def case_explicit_prefetch(rank, world):
+    def wrap(model, mesh):
+        blocks = list(model.layers)
+        for b in blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for i, b in enumerate(blocks):
+            if i + 1 < len(blocks):
+                b.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                b.set_modules_to_backward_prefetch([blocks[i - 1]])
+        return model
+
+    compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(n_layers=3)), wrap, steps=3)
+
+
+def case_no_sync_keep_unsharded(rank, world):
+    """Accumulation without sync and without resharding after backward (torch's recipe)."""
+    compare_training(rank, world, lambda: Llama(LlamaConfig.tiny()), _wrap_blocks, micro=3, steps=2,
+                     keep_unsharded_between_micro=True)
+
+
+def case_ignored_params(rank, world):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    keep = model.norm.weight
+    fully_shard(model, mesh=cpu_mesh(world), ignored_params={keep})
+    assert model.norm.weight is keep and not isinstance(keep, DTensor)
+    assert isinstance(model.output.weight, RaggedDTensor)
+    _step(model, rank, world)
+    assert keep.grad is not None and not isinstance(keep.grad, DTensor)
+
+
+def case_set_is_last_backward_and_flags(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    model.set_is_last_backward(True)
+    model.set_reshard_after_forward(True)
+    model.set_unshard_in_backward(True)
+    model.set_requires_gradient_sync(True)
+    _step(model, rank, world)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def _raises(exc, match, fn):
+    with pytest.raises(exc, match=match):
+        fn()
+
+
+def case_errors(rank, world):
+    mesh = cpu_mesh(world)
+    lin = nn.Linear(4, 4)
+    fully_shard(lin, mesh=mesh)
+    _raises(ValueError, "already wrapped", lambda: fully_shard(lin, mesh=mesh))
+
+    parent = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(parent, mesh=mesh)
+    _raises(ValueError, "bottom-up", lambda: fully_shard(parent[0], mesh=mesh))
+
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
+    _raises(ValueError, "mixed devices", lambda: fully_shard(mixed, mesh=mesh))
+
+    _raises(ValueError, "granularity_fn", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: None))
+    _raises(ValueError, "mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object()))
+    _raises(ValueError, "granularity", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, granularity_fn=lambda n, p: "bogus"))
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.s = nn.Parameter(torch.tensor(1.0))
+
+    _raises(ValueError, "0-d", lambda: fully_shard(Scalar(), mesh=mesh, granularity_fn=lambda n, p: "rows:2"))
+
+    tied_a, tied_b = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied_b.weight = tied_a.weight
+    holder = nn.Sequential(tied_a, tied_b)
+    fully_shard(tied_b, mesh=mesh)
+    _raises(ValueError, "shared", lambda: fully_shard(holder, mesh=mesh))
+
+    _raises(ValueError, "reshard_after_forward", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=3 if world == 2 else 5))
+
+    if world == 2:  # a mesh of rank 0 only: rank 1 is not in it
+        from torch.distributed.device_mesh import DeviceMesh
+
+        sub = DeviceMesh("cpu", [0])
+        if rank == 1:
+            _raises(ValueError, "not in the mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=sub))
+        two_d = DeviceMesh("cpu", [[0, 1]])
+        _raises(NotImplementedError, "1-D", lambda: fully_shard(nn.Linear(4, 4), mesh=two_d))
+
+    meta = nn.Linear(4, 4, device="meta")
+    fully_shard(meta, mesh=mesh)
+    _raises(RuntimeError, "meta", lambda: meta(torch.ones(2, 4)))
+
+
+CASES = [
+    case_params_are_ragged_views_before_forward,
+    case_one_collective_buffer_per_dtype,
+    case_unshard_reshard,
+    case_manual_grad_is_honoured,
+    case_to_and_to_empty_keep_views,
+    case_load_state_dict_assign,
+    case_explicit_prefetch,
+    case_no_sync_keep_unsharded,
+    case_ignored_params,
+    case_set_is_last_backward_and_flags,
+    case_errors,
+]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(2, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+def test_api(results, case):
+    err = results[f"{case.__module__}.{case.__name__}"]
+    assert err is None, err
