@@ -136,8 +136,10 @@ class DBuffer:
         if self.aliased:
             return self.sharded
         if self._unsharded is None:
-            self._unsharded = torch.empty(self.layout.total, dtype=self.compute_dtype, device=self.device)
-            self._free(self._unsharded)
+            flat = torch.empty(self.layout.total, dtype=self.compute_dtype, device=self.device)
+            self._unsharded = flat
+            self._unsharded_views = self._views(flat)  # made while the storage exists
+            self._free(flat)
         return self._unsharded
 
     @property
@@ -148,10 +150,13 @@ class DBuffer:
 
     def unsharded_views(self) -> list[torch.Tensor]:
         """Full-shape views into the unsharded buffer, one per slot (made once)."""
-        if self._unsharded_views is None:
-            flat = self.unsharded
-            self._unsharded_views = [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
+        flat = self.unsharded  # makes the views when it makes the buffer
+        if self._unsharded_views is None:  # aliased: views of the sharded segment
+            self._unsharded_views = self._views(flat)
         return self._unsharded_views
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
 
     def alloc_unsharded(self) -> torch.Tensor:
         flat = self.unsharded
