@@ -164,10 +164,11 @@ def place_state(value, p: torch.Tensor, lay: Layout, name: str, key: str, per_bl
             f"load_state_dict: state {key!r} of parameter {name} has shape {tuple(value.shape)}, "
             f"expected {gshape}; the checkpoint was saved for another model or optimizer setting"
         )
+    # Loaded tensors are never aliased: the caller's dict may hold another optimizer's live state.
     if lay.kind in ("plain", "replicate"):
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = value.full_tensor() if isinstance(value, DTensor) else value.clone()
         if lay.kind == "replicate":
-            return DTensor.from_local(full.clone(), p.device_mesh, p.placements, run_check=False)
+            return DTensor.from_local(full, p.device_mesh, p.placements, run_check=False)
         return full
     placements = _placements_for(lay, p, per_block)
     if isinstance(value, DTensor):
@@ -177,7 +178,7 @@ def place_state(value, p: torch.Tensor, lay: Layout, name: str, key: str, per_bl
             from ..placement.redistribute import redistribute
 
             if tuple(value.placements) == placements:
-                return value
+                return value.clone()
             return redistribute(value, lay.mesh, placements)
     else:
         full = value
