@@ -45,7 +45,7 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 
     mcfg = LlamaConfig(
         vocab_size=VOCAB_SIZE, dim=cfg.dim, n_layers=cfg.layers, n_heads=cfg.heads,
-        n_kv_heads=cfg.kv_heads, hidden_dim=cfg.hidden, max_seq_len=cfg.seq_len,
+        n_kv_heads=cfg.kv_heads, ffn_hidden=cfg.hidden, max_seq_len=cfg.seq_len,
     )
     torch.manual_seed(cfg.seed)
     return Llama(mcfg)
@@ -71,14 +71,17 @@ def shard(model: torch.nn.Module, framework: str, mesh, granularity_fn=None) -> 
 
 def build_optimizer(name: str, model: torch.nn.Module, lr: float):
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)), None
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True), None
     from . import optim as ropt
 
     if name == "adamw8bit":
         return ropt.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)), ropt.AdamW8bit.granularity
     if name == "muon":
-        groups = ropt.muon_param_groups(model, adamw_lr=lr)
-        return ropt.Muon(groups, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"), ropt.Muon.granularity
+        groups = ropt.muon_param_groups(
+            model, muon={"lr": lr, "adjust_lr_fn": "match_rms_adamw"},
+            adamw={"lr": lr, "betas": (0.9, 0.95)},
+        )
+        return ropt.Muon(groups, lr=lr, weight_decay=0.1), ropt.Muon.granularity
     raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
 
 

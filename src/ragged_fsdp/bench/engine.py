@@ -48,7 +48,7 @@ def build(kind: str, seq_len: int) -> torch.nn.Module:
         from ragged_fsdp.models.llama import Llama, LlamaConfig
 
         return Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                                 hidden_dim=704, max_seq_len=seq_len))
+                                 ffn_hidden=704, max_seq_len=seq_len))
     if kind == "moe":
         from ragged_fsdp.models.moe import MoE, MoEConfig
 
