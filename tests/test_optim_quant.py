@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ragged_fsdp.optim.quant import (
-    dequantize_blockwise, dynamic_map, num_blocks, quantize_blockwise, signed_map, unsigned_map,
+    _bounds_for, dequantize_blockwise, dynamic_map, nearest_codes, num_blocks, quantize_blockwise,
+    signed_map, unsigned_map,
 )
 
 
@@ -115,3 +116,18 @@ def test_out_buffers_and_errors():
     with pytest.raises(ValueError, match="block"):
         quantize_blockwise(x, signed_map(), 0)
     assert math.isclose(float(dequantize_blockwise(c, am, signed_map(), 256).sub(x).abs().max()), 0, abs_tol=0.05)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_lookup_equals_bucketize_at_every_bucket_edge(signed):
+    """The 16-bit lookup gives torch.bucketize's answer: checked at both ends of every
+    bucket in [-1, 1], at every decision boundary and one float either side of it."""
+    code = signed_map() if signed else unsigned_map()
+    b = _bounds_for(code)
+    top = torch.arange(65536, dtype=torch.int64) << 16
+    ends = torch.cat([top, top | 0xFFFF])
+    ends = torch.where(ends >= 2 ** 31, ends - 2 ** 32, ends).to(torch.int32).view(torch.float32)
+    ends = ends[torch.isfinite(ends) & (ends.abs() <= 1)]
+    near = torch.cat([b, torch.nextafter(b, torch.full_like(b, 2.0)), torch.nextafter(b, torch.full_like(b, -2.0))])
+    x = torch.cat([ends, near, torch.rand(100_000) * 2 - 1, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    assert torch.equal(nearest_codes(x, code), torch.bucketize(x, b, out_int32=True))

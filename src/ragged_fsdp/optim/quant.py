@@ -31,7 +31,7 @@ import torch
 
 __all__ = [
     "dynamic_map", "signed_map", "unsigned_map", "quantize_blockwise", "dequantize_blockwise",
-    "num_blocks", "EXPONENT_LEVELS",
+    "num_blocks", "nearest_codes", "EXPONENT_LEVELS",
 ]
 
 EXPONENT_LEVELS = 7
@@ -83,6 +83,57 @@ def _bounds_for(code: torch.Tensor) -> torch.Tensor:
     return ((code[:-1] + code[1:]) / 2.0).contiguous()
 
 
+@functools.lru_cache(maxsize=None)
+def _lut_cached(signed: bool, device: str):
+    return _build_lut(_cached(signed, device)[1])
+
+
+def _build_lut(bounds: torch.Tensor):
+    """Exact nearest-code lookup without a binary search.
+
+    A float32 ``x`` falls in the bucket named by its top 16 bits (sign, exponent, 7 mantissa
+    bits). ``first[k]`` counts the decision boundaries below bucket ``k``'s smallest value;
+    when every bucket holds at most one boundary, ``bucketize(x) = first[k] + (x > next[k])``
+    with ``next[k] = bounds[first[k]]``. Returns ``(first, next)`` or None when some bucket
+    holds two boundaries (then callers fall back to ``torch.bucketize``).
+    """
+    device = bounds.device
+    top = torch.arange(65536, dtype=torch.int64) << 16
+    ends = torch.stack([top, top | 0xFFFF]).to(torch.int64)
+    ends = torch.where(ends >= 2 ** 31, ends - 2 ** 32, ends).to(torch.int32).view(torch.float32)
+    lo, hi = ends.amin(0), ends.amax(0)
+    b = bounds.cpu()
+    first = torch.bucketize(lo, b, out_int32=True)
+    last = torch.bucketize(hi, b, out_int32=True)
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    if bool(((last - first)[finite] > 1).any()):
+        return None
+    nxt = torch.cat([b, torch.tensor([float("inf")])])
+    # index by the *signed* top half plus 32768 (an arithmetic shift and one add)
+    first = torch.cat([first[32768:], first[:32768]])
+    return first.to(device), nxt.to(device)
+
+
+def _lut_for(code: torch.Tensor):
+    for signed in (True, False):
+        if code is _cached(signed, str(code.device))[0]:
+            return _lut_cached(signed, str(code.device))
+    return _build_lut(_bounds_for(code))
+
+
+def nearest_codes(normed: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """int32 index of the nearest entry of ``code`` (sorted) for each value of the float32
+    tensor ``normed``; ties go to the lower code (``torch.bucketize`` on the midpoints)."""
+    lut = _lut_for(code)
+    if lut is None or normed.dtype != torch.float32:
+        return torch.bucketize(normed, _bounds_for(code), out_int32=True)
+    first, nxt = lut
+    flat = normed.reshape(-1)
+    bucket = torch.bitwise_right_shift(flat.view(torch.int32), 16).add_(32768)
+    idx = first.index_select(0, bucket)
+    return idx.add_(flat > nxt.index_select(0, idx)).view(normed.shape)
+
+
 def num_blocks(numel: int, block: int) -> int:
     return -(-numel // block)
 
@@ -125,7 +176,7 @@ def quantize_blockwise(
         scale = absmax[nfull] if bool(absmax[nfull] > 0) else absmax.new_ones(())
         torch.div(tail, scale, out=normed[full:])
     normed.clamp_(-1.0, 1.0)
-    idx = torch.bucketize(normed, _bounds_for(code), out_int32=True)
+    idx = nearest_codes(normed, code)
     if codes_out is not None:
         if codes_out.numel() != n or codes_out.dtype != torch.uint8:
             raise ValueError("quantize_blockwise: codes_out must be uint8 with x's number of elements")
@@ -155,7 +206,7 @@ def dequantize_blockwise(
             f"{block}; expected {num_blocks(n, block)}"
         )
     res = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32, device=codes.device)
-    values = code[flat.to(torch.int32)]
+    values = code.index_select(0, flat.to(torch.int32))
     am = absmax.reshape(-1)
     if nfull:
         torch.mul(values[:full].view(nfull, block), am[:nfull].unsqueeze(1), out=res[:full].view(nfull, block))
