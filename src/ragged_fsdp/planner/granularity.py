@@ -100,22 +100,25 @@ class TensorSpec:
     granularity: Granularity | None = None
 
     def __post_init__(self):
-        shape = tuple(int(s) for s in self.shape)
-        if any(s < 0 for s in shape):
-            raise ValueError(f"tensor {self.name!r}: negative size in shape {shape}")
-        object.__setattr__(self, "shape", shape)
+        shape = self.shape
+        if type(shape) is not tuple or not all(type(s) is int and s >= 0 for s in shape):
+            shape = tuple(int(s) for s in shape)
+            if any(s < 0 for s in shape):
+                raise ValueError(f"tensor {self.name!r}: negative size in shape {shape}")
+            object.__setattr__(self, "shape", shape)
         itemsize = self.itemsize
-        if not isinstance(itemsize, int):  # a torch.dtype (or anything with .itemsize)
-            itemsize = int(getattr(itemsize, "itemsize"))
+        if type(itemsize) is not int:  # a torch.dtype (or anything with .itemsize)
+            itemsize = int(getattr(itemsize, "itemsize", itemsize))
+            object.__setattr__(self, "itemsize", itemsize)
         if itemsize < 1:
             raise ValueError(f"tensor {self.name!r}: itemsize must be >= 1 byte (got {itemsize})")
-        object.__setattr__(self, "itemsize", itemsize)
-        gran = Granularity.parse(self.granularity)
-        object.__setattr__(self, "granularity", gran)
-        try:
-            (gran or ELEMENT).placement_dims_unit(shape)
-        except ValueError as exc:
-            raise ValueError(f"tensor {self.name!r} of shape {shape}: {exc}") from None
+        gran = self.granularity
+        if gran is not None and type(gran) is not Granularity:
+            gran = Granularity.parse(gran)
+            object.__setattr__(self, "granularity", gran)
+        if gran is not None and gran.kind == "rows" and not shape:
+            raise ValueError(f"tensor {self.name!r} of shape (): granularity {gran} cannot apply "
+                             "to a 0-d tensor (it has no rows)")
 
     @property
     def numel(self) -> int:

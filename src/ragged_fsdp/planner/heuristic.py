@@ -17,6 +17,7 @@ fast as small W.
 
 from __future__ import annotations
 
+import math
 import time
 from bisect import bisect_left, insort
 from collections.abc import Sequence
@@ -24,11 +25,10 @@ from collections.abc import Sequence
 from .bound import Conditions
 from .granularity import TensorSpec
 from .plan import Plan
-from .problem import Problem, earliest_start
+from .problem import Problem, earliest_start, roundup
 
 __all__ = ["plan_group"]
 
-_MAX_STEPS = 200  # candidate sizes tried before giving up on finesse (never reached in practice)
 _REFINE_STEPS = 10
 
 
@@ -57,35 +57,47 @@ def plan_group(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 
 
 
 def _search(packer: "_Packer", cond: Conditions, s_lb: int, W: int, a: int):
-    S, lo_fail, fails = s_lb, None, 0
-    while True:
-        found, end = packer.pack(S)
+    """Least S (among those tried) with a packing that fits; returns (S, offsets, strategy)."""
+    tried: dict[int, tuple] = {}
+
+    def attempt(S):
+        if S not in tried:
+            tried[S] = packer.pack(S)
+        return tried[S]
+
+    x, fails, found = s_lb, 0, None
+    while found is None:
+        cands = packer.candidates(cond, x)
+        for S in cands:
+            got, end = attempt(S)
+            if got is not None:
+                found = S
+                break
         if found is not None:
             break
-        lo_fail, fails = S, fails + 1
-        short = end - W * S if end is not None else W * S
+        fails += 1
+        S0 = cands[0]
+        end = tried[S0][1]
+        short = end - W * S0 if end is not None else W * S0
         jump = max(a, -(-short // W))
         if fails > 3:  # the packings do not converge: grow geometrically
-            jump = max(jump, S >> max(0, 8 - fails))
-        if fails > _MAX_STEPS:
-            jump = max(jump, S)
-        S = cond.next_candidate(S + jump)
-    best = (S, found)
-    if lo_fail is not None:  # the first success may have jumped past a smaller feasible S
-        hi = S
-        for _ in range(_REFINE_STEPS):
-            cand = cond.next_candidate((lo_fail + hi) // 2 + 1)
-            if cand >= hi:
-                cand = cond.next_candidate(lo_fail + 1)
-                if cand >= hi:
-                    break
-            got, _ = packer.pack(cand)
-            if got is not None:
-                hi, best = cand, (cand, got)
-            else:
-                lo_fail = cand
-    S, (offs, name) = best[0], best[1]
-    return S, offs, name
+            jump = max(jump, S0 >> max(0, 8 - fails))
+        x = S0 + jump
+    # the first success may have jumped past a smaller feasible S: bisect below it
+    hi = found
+    lo = max((S for S, (got, _) in tried.items() if got is None and S < hi), default=None)
+    for _ in range(_REFINE_STEPS if lo is not None else 0):
+        cands = [c for c in packer.candidates(cond, (lo + hi) // 2 + 1) if lo < c < hi]
+        cands = cands or [c for c in packer.candidates(cond, lo + 1) if lo < c < hi]
+        if not cands:
+            break
+        S = cands[0]
+        if attempt(S)[0] is not None:
+            hi = S
+        else:
+            lo = S
+    offs, name = tried[hi][0]
+    return hi, offs, name
 
 
 class _Packer:
@@ -96,45 +108,94 @@ class _Packer:
         n, e, L, a = prob.n, prob.e, prob.L, prob.a
         idx = range(n)
         structured = [i for i in idx if L[i] > a and e[i] > 0]
-        flexible = sorted((i for i in idx if L[i] == a or e[i] == 0), key=lambda i: (-e[i], i))
-        by_block = sorted(structured, key=lambda i: (-L[i], -e[i], i))
-        self.by_block = by_block
-        self.orders = [
-            ("block-order+fill", by_block, flexible),
-            ("model-order+fill", structured, flexible),
-            ("model-order", list(idx), []),
-        ]
+        self.flexible = sorted((i for i in idx if L[i] == a or e[i] == 0), key=lambda i: (-e[i], i))
+        self.structured = structured
+        self.by_block = sorted(structured, key=lambda i: (-L[i], -e[i], i))
+        # identical structured tensors form kinds, for the adaptive packing
+        kinds: dict[tuple[int, int], list[int]] = {}
+        for i in self.by_block:
+            kinds.setdefault((e[i], L[i]), []).append(i)
+        self.kinds = [(ek, Lk, members) for (ek, Lk), members in kinds.items()]
+        flex_kinds: dict[tuple[int, int], list[int]] = {}
+        for i in self.flexible:
+            flex_kinds.setdefault((e[i], L[i]), []).append(i)
+        self.all_kinds = self.kinds + [(ek, Lk, members) for (ek, Lk), members in flex_kinds.items()]
+        # moduli worth making S a multiple of: the block sizes that carry the most elements
+        mass: dict[int, int] = {}
+        for i in structured:
+            mass[L[i]] = mass.get(L[i], 0) + e[i]
+        heavy = sum(mass.values()) // 20
+        moduli, m = set(), a
+        for Lk in sorted(mass, key=lambda x: (-mass[x], x)):
+            m = m * Lk // math.gcd(m, Lk)
+            moduli.add(m)  # the lcm of the heaviest block sizes
+            if mass[Lk] >= heavy:
+                moduli.add(Lk)  # and each heavy one alone
+        self.moduli = sorted(moduli)
+
+    def candidates(self, cond: Conditions, x: int) -> list[int]:
+        """The least admissible S >= x, and the least >= x that are multiples of each modulus."""
+        c0 = cond.next_candidate(x)
+        out = {c0}
+        for M in self.moduli:
+            c = roundup(c0, M)
+            for _ in range(4):
+                c2 = cond.next_candidate(c)
+                if c2 % M == 0:
+                    break
+                c = roundup(c2, M)
+            out.add(c2)
+        return sorted(out)
 
     def pack(self, S: int):
         """``((offsets, strategy), end)`` for the first packing that fits in ``W*S``, else
         ``(None, least end seen)`` (end None when no packing could place every tensor)."""
         cap = self.prob.world_size * S
         best_end = None
-        orders = list(self.orders)
-        # small structured tensors can fill gaps too: a variant that treats them as fillers
-        e = self.prob.e
-        big = [i for i in self.by_block if e[i] > S // 4]
-        if len(big) < len(self.by_block):
-            small = sorted((i for i in range(self.prob.n) if i not in set(big)), key=lambda i: (-e[i], i))
-            orders.insert(1, ("block-order+small-fill", big, small))
-        for name, main, fillers in orders:
-            offs, end = self._pack_order(S, main, fillers, cap)
+        for name in ("block-order+fill", "adaptive+fill", "adaptive-hard+fill", "adaptive-shim",
+                     "block-order+small-fill", "model-order+fill", "model-order"):
+            offs, end = self._run(name, S)
             if offs is not None and end <= cap:
                 return (offs, name), end
             if end is not None and (best_end is None or end < best_end):
                 best_end = end
         return None, best_end
 
-    def _pack_order(self, S, main, fillers, cap):
+    def _run(self, name: str, S: int):
         prob = self.prob
-        e, L, a = prob.e, prob.L, prob.a
         offs = [0] * prob.n
         gaps: list[tuple[int, int, int]] = []  # (size, start, end), sorted
+        if name == "adaptive-shim":  # flexible tensors join in, as shims across boundaries
+            pos, fillers = self._adaptive(S, offs, gaps, kinds=self.all_kinds), []
+        elif name.startswith("adaptive"):
+            pos = self._adaptive(S, offs, gaps, hard=name.startswith("adaptive-hard"))
+            fillers = self.flexible
+        elif name == "block-order+small-fill":
+            e = prob.e
+            big = [i for i in self.by_block if e[i] > S // 4]
+            if len(big) == len(self.by_block):
+                return None, None  # same as block-order+fill
+            bigset = set(big)
+            fillers = sorted((i for i in range(prob.n) if i not in bigset), key=lambda i: (-e[i], i))
+            pos = self._sequence(S, big, offs, gaps)
+        elif name == "block-order+fill":
+            pos, fillers = self._sequence(S, self.by_block, offs, gaps), self.flexible
+        elif name == "model-order+fill":
+            pos, fillers = self._sequence(S, self.structured, offs, gaps), self.flexible
+        else:
+            pos, fillers = self._sequence(S, range(prob.n), offs, gaps), []
+        if pos is None:
+            return None, None
+        pos = self._fill(S, fillers, offs, gaps, pos)
+        return (offs, pos) if pos is not None else (None, None)
+
+    def _sequence(self, S, order, offs, gaps):
+        """Each tensor of ``order`` at its earliest offset after the previous one."""
+        e, L, a = self.prob.e, self.prob.L, self.prob.a
         pos = 0
-        for i in main:
+        for i in order:
             ei, Li = e[i], L[i]
-            # earliest_start, inlined for speed on the common paths
-            r = S - pos % S
+            r = S - pos % S  # earliest_start, inlined for speed on the common paths
             if ei <= r:
                 l = pos
             elif S % Li == 0:
@@ -142,11 +203,59 @@ class _Packer:
             else:
                 l = earliest_start(pos, ei, Li, S)
                 if l is None:
-                    return None, None
+                    return None
             if l > pos:
                 insort(gaps, (l - pos, pos, l))
             offs[i] = l
             pos = -(-(l + ei) // a) * a
+        return pos
+
+    def _adaptive(self, S, offs, gaps, hard=False, kinds=None):
+        """At each step, the kind that leaves no gap (largest block first), else the least gap.
+
+        ``hard``: any kind that can start in the current segment with a small gap (under
+        S/1024) counts as gap-free, so the kinds allowed only one cut (their block does not
+        divide S) and then the coarsest blocks go first, and the flexible ones are kept for
+        the places where nothing else fits without skipping to the next segment."""
+        a = self.prob.a
+        tol = S >> 10 if hard else 0
+        left = [[ek, Lk, members, 0] for ek, Lk, members in (kinds or self.kinds)]
+        pos = 0
+        while left:
+            r = S - pos % S
+            best = None
+            for k in left:
+                ek, Lk = k[0], k[1]
+                if ek <= r:
+                    l = pos
+                elif S % Lk == 0:
+                    l = pos + r % Lk
+                else:
+                    l = earliest_start(pos, ek, Lk, S)
+                    if l is None:
+                        return None
+                gap = l - pos
+                if hard:  # no skip, small gap, then one-cut kinds and coarse blocks first
+                    key = (gap >= r, gap > tol, S % Lk == 0, -Lk, gap, -ek)
+                else:
+                    key = (gap, -Lk, -ek)
+                if best is None or key < best[0]:
+                    best = (key, k, l)
+            _, k, l = best
+            ek, Lk, members, done = k
+            if l > pos:
+                insort(gaps, (l - pos, pos, l))
+            offs[members[done]] = l
+            pos = -(-(l + ek) // a) * a
+            done += 1
+            k[3] = done
+            if done == len(members):
+                left.remove(k)
+        return pos
+
+    def _fill(self, S, fillers, offs, gaps, pos):
+        """Fillers, largest first, into the smallest gap that takes them, else at the end."""
+        e, L, a = self.prob.e, self.prob.L, self.prob.a
         for i in fillers:
             ei, Li = e[i], L[i]
             need = -(-ei // a) * a
@@ -169,9 +278,9 @@ class _Packer:
                 continue
             l = earliest_start(pos, ei, Li, S)
             if l is None:
-                return None, None
+                return None
             if l > pos:
                 insort(gaps, (l - pos, pos, l))
             offs[i] = l
             pos = -(-(l + ei) // a) * a
-        return offs, pos
+        return pos

@@ -1,0 +1,257 @@
+"""Parameter shapes of public models, grouped the way FSDP wraps them.
+
+Shapes only (no weights): enough to plan layouts and model memory at full scale. Facts come
+from the models' published configurations; weights follow the PyTorch Linear convention
+``(out_features, in_features)`` and Hugging Face parameter names.
+
+Groups: ``embed`` (the token embedding), one ``layers.{i}`` group per transformer block, and
+``head`` (final norm + LM head) -- the way a per-block ``fully_shard`` plus separate embedding
+and output wrapping splits a model.
+
+Variants of the MoE models (``get_model(id, variant=...)`` or the id ``"<id>:<variant>"``):
+
+* ``fused``: the experts of a layer stored as 3-D tensors, experts first. For gpt-oss this
+  is the reference layout: ``gate_up_proj (E, hidden, 2*intermediate)`` + bias
+  ``(E, 2*intermediate)``, ``down_proj (E, intermediate, hidden)`` + bias ``(E, hidden)``.
+  For deepseek-v3 and qwen3 it is the grouped-GEMM layout with stacked Linear weights
+  ``gate_proj/up_proj (E, inter, hidden)``, ``down_proj (E, hidden, inter)``.
+* ``separate``: one module per expert with 2-D Linear weights -- the reference layout of
+  deepseek-v3 and qwen3; for gpt-oss each expert gets ``gate_up_proj (2*inter, hidden)``
+  + bias and ``down_proj (hidden, inter)`` + bias.
+
+The default variant is the reference implementation's layout (``fused`` for gpt-oss,
+``separate`` for deepseek-v3 and qwen3-30b-a3b). DeepSeek-V3's multi-token-prediction layer is
+left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..planner.granularity import Granularity, TensorSpec
+
+__all__ = [
+    "Tensor", "Group", "ModelShapes", "MODEL_CONFIGS", "get_model", "list_models",
+    "model_specs", "group_specs",
+]
+
+
+class Tensor(NamedTuple):
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    tensors: tuple[Tensor, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    id: str  # e.g. "gpt-oss-120b:separate"
+    base: str  # e.g. "gpt-oss-120b"
+    variant: str | None
+    config: dict
+    groups: tuple[Group, ...]
+
+    @property
+    def num_params(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(g.tensors) for g in self.groups)
+
+
+# Published configuration facts (see each model's config.json / technical report).
+MODEL_CONFIGS: dict[str, dict] = {
+    "llama3-8b": dict(family="llama", vocab=128256, hidden=4096, intermediate=14336, layers=32,
+                      heads=32, kv_heads=8, head_dim=128),
+    "llama3-70b": dict(family="llama", vocab=128256, hidden=8192, intermediate=28672, layers=80,
+                       heads=64, kv_heads=8, head_dim=128),
+    "llama3-405b": dict(family="llama", vocab=128256, hidden=16384, intermediate=53248, layers=126,
+                        heads=128, kv_heads=8, head_dim=128),
+    "gpt-oss-20b": dict(family="gpt-oss", vocab=201088, hidden=2880, intermediate=2880, layers=24,
+                        heads=64, kv_heads=8, head_dim=64, experts=32, experts_per_token=4),
+    "gpt-oss-120b": dict(family="gpt-oss", vocab=201088, hidden=2880, intermediate=2880, layers=36,
+                         heads=64, kv_heads=8, head_dim=64, experts=128, experts_per_token=4),
+    "deepseek-v3": dict(family="deepseek", vocab=129280, hidden=7168, layers=61, dense_layers=3,
+                        dense_intermediate=18432, moe_intermediate=2048, routed_experts=256,
+                        shared_experts=1, experts_per_token=8, heads=128, q_lora_rank=1536,
+                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                        v_head_dim=128),
+    "qwen3-30b-a3b": dict(family="qwen3-moe", vocab=151936, hidden=2048, layers=48, heads=32,
+                          kv_heads=4, head_dim=128, experts=128, experts_per_token=8,
+                          moe_intermediate=768),
+}
+
+_VARIANTS = {"gpt-oss": ("fused", "separate"), "deepseek": ("separate", "fused"),
+             "qwen3-moe": ("separate", "fused")}  # first = the reference layout (default)
+
+
+def list_models(include_variants: bool = False) -> list[str]:
+    """Model ids; with ``include_variants`` also ``"<id>:<variant>"`` for each non-default
+    variant of the MoE models."""
+    out = []
+    for mid, cfg in MODEL_CONFIGS.items():
+        out.append(mid)
+        if include_variants:
+            out += [f"{mid}:{v}" for v in _VARIANTS.get(cfg["family"], ())[1:]]
+    return out
+
+
+def get_model(model_id: str, variant: str | None = None) -> ModelShapes:
+    """Shapes of ``model_id`` (``"<id>"`` or ``"<id>:<variant>"``)."""
+    base, _, suffix = model_id.partition(":")
+    if suffix:
+        if variant is not None and variant != suffix:
+            raise ValueError(f"model {model_id!r} names variant {suffix!r} but variant={variant!r} was given")
+        variant = suffix
+    if base not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {base!r}; known: {', '.join(list_models(True))}")
+    cfg = MODEL_CONFIGS[base]
+    variants = _VARIANTS.get(cfg["family"], ())
+    if variant is not None and variant not in variants:
+        raise ValueError(
+            f"model {base!r} has no variant {variant!r}; "
+            + (f"variants: {', '.join(variants)}" if variants else "it is dense (no variants)")
+        )
+    variant = variant or (variants[0] if variants else None)
+    layer_fn = _LAYERS[cfg["family"]]
+    groups = [Group("embed", (Tensor("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"])),))]
+    groups += [Group(f"layers.{i}", tuple(layer_fn(cfg, i, variant))) for i in range(cfg["layers"])]
+    groups.append(Group("head", (Tensor("model.norm.weight", (cfg["hidden"],)),
+                                 Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"])))))
+    mid = base if variant in (None, variants[0] if variants else None) else f"{base}:{variant}"
+    return ModelShapes(mid, base, variant, dict(cfg), tuple(groups))
+
+
+# -- per-family transformer blocks ---------------------------------------------------------
+def _llama_layer(c: dict, i: int, variant):
+    p, h, q, kv, inter = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
+        c["kv_heads"] * c["head_dim"], c["intermediate"]
+    return [
+        Tensor(p + "self_attn.q_proj.weight", (q, h)),
+        Tensor(p + "self_attn.k_proj.weight", (kv, h)),
+        Tensor(p + "self_attn.v_proj.weight", (kv, h)),
+        Tensor(p + "self_attn.o_proj.weight", (h, q)),
+        Tensor(p + "mlp.gate_proj.weight", (inter, h)),
+        Tensor(p + "mlp.up_proj.weight", (inter, h)),
+        Tensor(p + "mlp.down_proj.weight", (h, inter)),
+        Tensor(p + "input_layernorm.weight", (h,)),
+        Tensor(p + "post_attention_layernorm.weight", (h,)),
+    ]
+
+
+def _gpt_oss_layer(c: dict, i: int, variant):
+    p, h, q, kv, inter, E = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
+        c["kv_heads"] * c["head_dim"], c["intermediate"], c["experts"]
+    out = [
+        Tensor(p + "self_attn.q_proj.weight", (q, h)), Tensor(p + "self_attn.q_proj.bias", (q,)),
+        Tensor(p + "self_attn.k_proj.weight", (kv, h)), Tensor(p + "self_attn.k_proj.bias", (kv,)),
+        Tensor(p + "self_attn.v_proj.weight", (kv, h)), Tensor(p + "self_attn.v_proj.bias", (kv,)),
+        Tensor(p + "self_attn.o_proj.weight", (h, q)), Tensor(p + "self_attn.o_proj.bias", (h,)),
+        Tensor(p + "self_attn.sinks", (c["heads"],)),
+        Tensor(p + "mlp.router.weight", (E, h)), Tensor(p + "mlp.router.bias", (E,)),
+    ]
+    x = p + "mlp.experts."
+    if variant == "fused":
+        out += [
+            Tensor(x + "gate_up_proj", (E, h, 2 * inter)), Tensor(x + "gate_up_proj_bias", (E, 2 * inter)),
+            Tensor(x + "down_proj", (E, inter, h)), Tensor(x + "down_proj_bias", (E, h)),
+        ]
+    else:
+        for j in range(E):
+            out += [
+                Tensor(f"{x}{j}.gate_up_proj.weight", (2 * inter, h)), Tensor(f"{x}{j}.gate_up_proj.bias", (2 * inter,)),
+                Tensor(f"{x}{j}.down_proj.weight", (h, inter)), Tensor(f"{x}{j}.down_proj.bias", (h,)),
+            ]
+    out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
+    return out
+
+
+def _mlp(prefix: str, inter: int, h: int) -> list[Tensor]:
+    return [Tensor(prefix + "gate_proj.weight", (inter, h)), Tensor(prefix + "up_proj.weight", (inter, h)),
+            Tensor(prefix + "down_proj.weight", (h, inter))]
+
+
+def _experts(prefix: str, E: int, inter: int, h: int, variant) -> list[Tensor]:
+    if variant == "fused":  # stacked Linear weights, experts first
+        return [Tensor(prefix + "gate_proj.weight", (E, inter, h)), Tensor(prefix + "up_proj.weight", (E, inter, h)),
+                Tensor(prefix + "down_proj.weight", (E, h, inter))]
+    out = []
+    for j in range(E):
+        out += _mlp(f"{prefix}{j}.", inter, h)
+    return out
+
+
+def _deepseek_layer(c: dict, i: int, variant):
+    p, h, H = f"model.layers.{i}.", c["hidden"], c["heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    a = p + "self_attn."
+    out = [
+        Tensor(a + "q_a_proj.weight", (c["q_lora_rank"], h)),
+        Tensor(a + "q_a_layernorm.weight", (c["q_lora_rank"],)),
+        Tensor(a + "q_b_proj.weight", (H * qk, c["q_lora_rank"])),
+        Tensor(a + "kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
+        Tensor(a + "kv_a_layernorm.weight", (c["kv_lora_rank"],)),
+        Tensor(a + "kv_b_proj.weight", (H * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
+        Tensor(a + "o_proj.weight", (h, H * c["v_head_dim"])),
+    ]
+    if i < c["dense_layers"]:
+        out += _mlp(p + "mlp.", c["dense_intermediate"], h)
+    else:
+        E, inter = c["routed_experts"], c["moe_intermediate"]
+        out += [Tensor(p + "mlp.gate.weight", (E, h)), Tensor(p + "mlp.gate.e_score_correction_bias", (E,))]
+        out += _experts(p + "mlp.experts.", E, inter, h, variant)
+        out += _mlp(p + "mlp.shared_experts.", inter * c["shared_experts"], h)
+    out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
+    return out
+
+
+def _qwen3_moe_layer(c: dict, i: int, variant):
+    p, h, q, kv, E = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
+        c["kv_heads"] * c["head_dim"], c["experts"]
+    a = p + "self_attn."
+    out = [
+        Tensor(a + "q_proj.weight", (q, h)), Tensor(a + "k_proj.weight", (kv, h)),
+        Tensor(a + "v_proj.weight", (kv, h)), Tensor(a + "o_proj.weight", (h, q)),
+        Tensor(a + "q_norm.weight", (c["head_dim"],)), Tensor(a + "k_norm.weight", (c["head_dim"],)),
+        Tensor(p + "mlp.gate.weight", (E, h)),
+    ]
+    out += _experts(p + "mlp.experts.", E, c["moe_intermediate"], h, variant)
+    out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
+    return out
+
+
+_LAYERS: dict[str, Callable] = {"llama": _llama_layer, "gpt-oss": _gpt_oss_layer,
+                                "deepseek": _deepseek_layer, "qwen3-moe": _qwen3_moe_layer}
+
+
+# -- to planner specs ------------------------------------------------------------------
+def group_specs(group: Group, granularity=None, granularity_1d=None, itemsize: int = 4) -> list[TensorSpec]:
+    """TensorSpecs of one group: ``granularity`` for tensors with >= 2 dims, ``granularity_1d``
+    (default element) for vectors and scalars."""
+    g2 = Granularity.parse(granularity)
+    g1 = Granularity.parse(granularity_1d)
+    return [TensorSpec(t.name, t.shape, itemsize, g2 if len(t.shape) >= 2 else g1) for t in group.tensors]
+
+
+def model_specs(model: ModelShapes | str, granularity=None, granularity_1d=None,
+                itemsize: int = 4) -> list[tuple[str, list[TensorSpec]]]:
+    """``(group name, specs)`` for every group of the model, in model order."""
+    if isinstance(model, str):
+        model = get_model(model)
+    return [(g.name, group_specs(g, granularity, granularity_1d, itemsize)) for g in model.groups]
