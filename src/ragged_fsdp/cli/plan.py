@@ -1,0 +1,191 @@
+"""`python -m ragged_fsdp plan`: plan catalog models and compare with other sharding schemes.
+
+For every (model, world size, granularity) it plans each FSDP group (identical groups once),
+validates the plans, and prints per group kind and for the whole model: the padding, the
+structural lower bound, the planning time, and the padding and blocks cut of FSDP2, FSDP1,
+DeepSpeed ZeRO-3 and Megatron-FSDP on the same tensors. ``--suggest`` adds, where padding
+exceeds 1%, the smaller shard groups (HSDP) or larger groups that cut it. ``--json`` prints
+one JSON document instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..models.catalog import get_model, list_models, model_specs
+from ..planner.baselines import BASELINES, all_baselines
+from ..planner.granularity import GRANULARITY_FORMS, Granularity
+from ..planner.model import ModelPlan, plan_model
+from ..planner.suggest import suggest
+
+DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
+          "float64": 8, "float8": 1, "fp8": 1}
+SUGGEST_ABOVE = 0.01  # padding ratio above which --suggest looks for a way out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "plan", help="plan model layouts; compare padding with FSDP2/FSDP1/DeepSpeed/Megatron",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", default="llama3-8b",
+                   help="comma list of model ids (default llama3-8b); known: " + ", ".join(list_models(True)))
+    p.add_argument("--world", default="1024", help="comma list of world sizes (default 1024)")
+    p.add_argument("--granularity", default="row",
+                   help=f"comma list of granularities for tensors with >= 2 dims ({GRANULARITY_FORMS}); default row")
+    p.add_argument("--granularity-1d", default=None,
+                   help="granularity for 1-D tensors (biases, norms); default element")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
+    p.add_argument("--align-bytes", type=int, default=16, help="offset alignment in bytes (default 16)")
+    p.add_argument("--suggest", action="store_true",
+                   help="for cells over 1%% padding, list smaller shard groups (HSDP) or merged groups that cut it")
+    p.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per cell)")
+    p.add_argument("--list-models", action="store_true", help="list the model ids and exit")
+    return p
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _parse(args) -> tuple[list[str], list[int], list[Granularity], Granularity | None]:
+    models = _split(args.model)
+    for m in models:
+        get_model(m)  # raises ValueError naming the known ids
+    worlds = []
+    for w in _split(args.world):
+        if not w.isdigit() or int(w) < 1:
+            raise ValueError(f"world size {w!r} is not a positive integer")
+        worlds.append(int(w))
+    grans = [Granularity.parse(g) for g in _split(args.granularity)]
+    g1 = Granularity.parse(args.granularity_1d) if args.granularity_1d else None
+    if not (models and worlds and grans):
+        raise ValueError("--model, --world and --granularity each need at least one value")
+    if args.align_bytes < 1:
+        raise ValueError(f"--align-bytes must be >= 1 (got {args.align_bytes})")
+    return models, worlds, grans, g1
+
+
+def _kind_label(names: list[str]) -> str:
+    if len(names) == 1:
+        return names[0]
+    first, last = names[0], names[-1]
+    head, _, tail = last.rpartition(".")
+    if first.startswith(head + ".") and head:
+        return f"{first}..{tail}"
+    return f"{first}..{last}"
+
+
+def _cell(model_id: str, world: int, gran: Granularity, g1, itemsize: int, align: int, want_suggest: bool) -> dict:
+    model = get_model(model_id)
+    groups = model_specs(model, gran, g1, itemsize)
+    mp = plan_model(groups, world, align)
+    errors = mp.validate()
+    base = {name: [0, 0] for name in BASELINES}  # padding, blocks cut
+    kinds = []
+    for k in mp.kinds:
+        specs = mp.group_specs[k.groups[0]]
+        for name, res in all_baselines(specs, world).items():
+            base[name][0] += res.padding * k.count
+            base[name][1] += res.blocks_cut * k.count
+        p = k.plan
+        kinds.append({
+            "group": _kind_label([mp.group_names[i] for i in k.groups]), "count": k.count,
+            "tensors": len(specs), "segment": p.segment, "padding_ratio": p.padding_ratio,
+            "lower_bound_ratio": p.lower_bound_ratio, "plan_seconds": p.plan_seconds,
+            "strategy": p.strategy,
+        })
+    used = mp.used
+    out = {
+        "model": model.id, "world_size": world, "granularity": str(gran),
+        "granularity_1d": str(g1 or "element"), "itemsize": itemsize, "align_bytes": align,
+        "params": used, "padding_ratio": mp.padding_ratio, "lower_bound_ratio": mp.lower_bound_ratio,
+        "plan_seconds": mp.plan_seconds, "valid": not errors, "errors": errors[:5],
+        "bytes_per_rank": mp.bytes_per_rank, "groups": kinds,
+        "baselines": {name: {"padding_ratio": pad / used if used else 0.0, "blocks_cut": cut}
+                      for name, (pad, cut) in base.items()},
+    }
+    if want_suggest and mp.padding_ratio > SUGGEST_ABOVE:
+        out["suggestions"] = [
+            {"kind": s.kind, "value": s.value, "description": s.describe(), "padding_ratio": s.padding_ratio,
+             "bytes_per_rank": s.bytes_per_rank, "gathered_bytes": s.gathered_bytes}
+            for s in suggest(groups, world, align, current=mp)
+        ]
+    return out
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.3f}%" if x < 10 else f"{x * 100:.0f}%"
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.3f} GiB"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, r in enumerate(rows):
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _print_cell(c: dict, out) -> None:
+    print(f"== {c['model']}  W={c['world_size']}  granularity={c['granularity']} "
+          f"(1-D: {c['granularity_1d']}, {c['itemsize']}-byte elements, {c['align_bytes']}-byte alignment) ==", file=out)
+    rows = [["group", "count", "tensors", "segment S", "padding", "bound", "plan s", "packing"]]
+    for k in c["groups"]:
+        rows.append([k["group"], str(k["count"]), str(k["tensors"]), str(k["segment"]), _pct(k["padding_ratio"]),
+                     _pct(k["lower_bound_ratio"]), f"{k['plan_seconds']:.4f}", k["strategy"]])
+    rows.append(["whole model", str(sum(k["count"] for k in c["groups"])), "", "", _pct(c["padding_ratio"]),
+                 _pct(c["lower_bound_ratio"]), f"{c['plan_seconds']:.4f}", "valid" if c["valid"] else "INVALID"])
+    print(_table(rows, {1, 2, 3, 4, 5, 6}), file=out)
+    for e in c["errors"]:
+        print(f"  error: {e}", file=out)
+    rows = [["scheme", "padding", "blocks cut"], ["ragged (planner)", _pct(c["padding_ratio"]), "0"]]
+    for name, b in c["baselines"].items():
+        rows.append([name, _pct(b["padding_ratio"]), str(b["blocks_cut"])])
+    print(_table(rows, {1, 2}), file=out)
+    print(f"parameter memory per rank: {_gib(c['bytes_per_rank'])}", file=out)
+    if "suggestions" in c:
+        if c["suggestions"]:
+            rows = [["way out", "padding", "params/rank", "largest gather"]]
+            for s in c["suggestions"]:
+                rows.append([s["description"], _pct(s["padding_ratio"]), _gib(s["bytes_per_rank"]),
+                             _gib(s["gathered_bytes"])])
+            print("padding above 1%; alternatives that cut it, best first:", file=out)
+            print(_table(rows, {1, 2, 3}), file=out)
+        else:
+            print("padding above 1%; no smaller shard group or merge cuts it", file=out)
+    print(file=out)
+
+
+def run(args) -> int:
+    if args.list_models:
+        for m in list_models(True):
+            print(m)
+        return 0
+    try:
+        models, worlds, grans, g1 = _parse(args)
+    except ValueError as exc:
+        print(f"plan: error: {exc}", file=sys.stderr)
+        return 2
+    itemsize = DTYPES[args.dtype]
+    cells = []
+    for m in models:
+        for w in worlds:
+            for g in grans:
+                c = _cell(m, w, g, g1, itemsize, args.align_bytes, args.suggest)
+                cells.append(c)
+                if not args.json:
+                    _print_cell(c, sys.stdout)
+    if args.json:
+        json.dump(cells, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    return 0 if all(c["valid"] for c in cells) else 1
