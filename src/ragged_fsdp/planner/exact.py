@@ -3,9 +3,11 @@
 For a fixed ``S`` and a fixed order of tensors, placing each at its earliest valid offset is
 optimal (the valid offsets of a tensor do not depend on the others, so starting later never
 helps). Hence the least end reachable after placing a *set* of tensors is a function of the
-set alone, and a dynamic program over subsets (``2^n * n`` steps) decides whether ``S`` is
-feasible. The segment sizes are walked upward from the structural lower bound over the
-candidates every tensor's own condition allows, so the first feasible one is optimal.
+set alone, and a dynamic program over sets decides whether ``S`` is feasible. Identical
+tensors (same size and block) are interchangeable, so a set is just how many of each kind
+are placed: ``prod(count_k + 1)`` states, which keeps e.g. 128 identical experts cheap.
+The segment sizes are walked upward from the structural lower bound over the candidates
+every necessary condition allows, so the first feasible one is optimal.
 """
 
 from __future__ import annotations
@@ -18,37 +20,45 @@ from .granularity import TensorSpec
 from .plan import Plan
 from .problem import Problem, earliest_start
 
-__all__ = ["solve_exact", "exact_segment", "MAX_EXACT_TENSORS"]
+__all__ = ["solve_exact", "exact_segment", "feasible_end", "MAX_EXACT_STATES"]
 
-MAX_EXACT_TENSORS = 14
+MAX_EXACT_STATES = 2_000_000
 
 
-def _pack_subsets(prob: Problem, S: int):
-    """Least aligned end over all orders of every subset; returns (ends, parent)."""
-    n, e, L, a = prob.n, prob.e, prob.L, prob.a
-    cap = prob.world_size * S
-    inf = cap + 1
-    full = (1 << n) - 1
-    best = [inf] * (full + 1)
-    parent: list[tuple[int, int] | None] = [None] * (full + 1)  # (tensor, its offset)
-    best[0] = 0
-    for mask in range(full + 1):
-        p = best[mask]
-        if p >= inf:
-            continue
-        for t in range(n):
-            bit = 1 << t
-            if mask & bit:
-                continue
-            l = earliest_start(p, e[t], L[t], S)
-            if l is None or l + e[t] > cap:
-                continue
-            end = -(-(l + e[t]) // a) * a
-            nxt = mask | bit
-            if end < best[nxt]:
-                best[nxt] = end
-                parent[nxt] = (t, l)
-    return best, parent
+def _kinds(prob: Problem) -> list[tuple[int, int, list[int]]]:
+    kinds: dict[tuple[int, int], list[int]] = {}
+    for i in range(prob.n):
+        kinds.setdefault((prob.e[i], prob.L[i]), []).append(i)
+    return [(e, L, members) for (e, L), members in kinds.items()]
+
+
+def feasible_end(prob: Problem, S: int, kinds=None):
+    """Least aligned end of any layout of all tensors with segment ``S`` that stays within
+    ``W*S``, and the parent links to rebuild it; ``(None, None)`` when there is none."""
+    kinds = kinds or _kinds(prob)
+    a, cap = prob.a, prob.world_size * S
+    counts = tuple(len(m) for _, _, m in kinds)
+    start = (0,) * len(kinds)
+    layer = {start: 0}
+    parent: dict[tuple, tuple] = {}
+    for _ in range(sum(counts)):
+        nxt: dict[tuple, int] = {}
+        for state, p in layer.items():
+            for k, (e, L, _) in enumerate(kinds):
+                if state[k] == counts[k]:
+                    continue
+                l = earliest_start(p, e, L, S)
+                if l is None or l + e > cap:
+                    continue
+                end = -(-(l + e) // a) * a
+                ns = state[:k] + (state[k] + 1,) + state[k + 1:]
+                if end < nxt.get(ns, cap + a + 1):
+                    nxt[ns] = end
+                    parent[ns] = (state, k, l)
+        if not nxt:
+            return None, None
+        layer = nxt
+    return layer[counts], parent
 
 
 def exact_segment(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 16,
@@ -63,28 +73,32 @@ def solve_exact(specs: Sequence[TensorSpec], world_size: int, align_bytes: int =
     t0 = time.perf_counter()
     specs = list(specs)
     prob = Problem.build(specs, world_size, align_bytes)
-    if prob.n > MAX_EXACT_TENSORS:
-        raise ValueError(f"solve_exact handles at most {MAX_EXACT_TENSORS} tensors (got {prob.n})")
+    kinds = _kinds(prob)
+    states = 1
+    for _, _, members in kinds:
+        states *= len(members) + 1
+    if states > MAX_EXACT_STATES:
+        raise ValueError(f"solve_exact: {states} states (product of kind counts + 1) exceed "
+                         f"{MAX_EXACT_STATES}; the instance is too large to solve exactly")
     cond = Conditions(prob)
     s_lb = cond.next_candidate(0)
-    full = (1 << prob.n) - 1
+    offs = [0] * prob.n
     if prob.padded_sum == 0:
-        S, offs = 0, [0] * prob.n
+        S = 0
     else:
         S = s_lb
         while True:
-            best, parent = _pack_subsets(prob, S)
-            if best[full] <= prob.world_size * S:
+            end, parent = feasible_end(prob, S, kinds)
+            if end is not None:
                 break
             if s_max is not None and S >= s_max:
                 raise RuntimeError(f"no layout found up to S={s_max}; s_max is not feasible")
             S = cond.next_candidate(S + 1)
-        offs = [0] * prob.n
-        mask = full
-        while mask:
-            t, l = parent[mask]
-            offs[t] = l
-            mask &= ~(1 << t)
+        state = tuple(len(m) for _, _, m in kinds)
+        while any(state):
+            prev, k, l = parent[state]
+            offs[kinds[k][2][prev[k]]] = l
+            state = prev
     names = prob.names
     return Plan(
         world_size=prob.world_size, segment=S,
