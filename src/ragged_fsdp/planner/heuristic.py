@@ -1,18 +1,26 @@
-"""The layout heuristic: pick the least segment size ``S`` that some packing order fits.
+"""The layout heuristic: pick the least segment size ``S`` that some packing fits.
 
-For a given ``S`` a *packing* lays the structured tensors (those whose cuts are restricted)
-one after another, each at its earliest valid offset, which may leave gaps before a tensor
-that had to start on a block edge; then it drops the flexible tensors (element-granular ones,
-biases, norms) and other small ones into those gaps, best fit first, and appends what is left.
-Several orders are tried (structured tensors by block size, or in model order, or everything
-in model order as the published heuristic does); ``S`` is feasible when one of them ends
-within ``W * S``.
+For a given ``S`` a *packing* places tensors one after another, each at its earliest valid
+offset (:func:`.problem.earliest_start`), which may leave a gap before a tensor that had to
+start on a block edge. Packings differ in the order:
 
-The search walks ``S`` upward from the structural lower bound over the sizes every tensor's
-own condition allows (see :mod:`.bound`), jumping by the shortfall of the best packing
-divided by ``W``, then bisects back between the last failure and the first success. Each
-packing costs O(n log n) for n tensors and never loops over the W segments, so huge W is as
-fast as small W.
+* ``block-order`` / ``size-order`` / ``model-order``: the structured tensors (cuts restricted)
+  by decreasing block, by decreasing size, or as given; then the flexible tensors
+  (element-granular: biases, norms) fill the gaps, largest first into the smallest gap that
+  takes them, and what is left goes at the end. ``small-fill`` also treats structured
+  tensors under S/4 as fillers; plain ``model-order`` (no filling) is the published baseline.
+* ``adaptive``: identical tensors form kinds; at each step take the kind that leaves no gap
+  (coarsest block first), else the least gap. ``adaptive-hard`` treats small gaps as none
+  and puts kinds allowed only one cut first, keeping flexible kinds for the places nothing
+  else fits; ``adaptive-shim`` lets flexible tensors cross boundaries to fix the phase.
+
+``S`` is feasible when one packing ends within ``W * S``. The search walks ``S`` upward from
+the structural lower bound over sizes that pass every necessary condition (see
+:mod:`.bound`), also trying at each step the next multiples of the heavy block sizes (where
+identical tensors chain without gaps), jumping by the best packing's shortfall over ``W``,
+then bisects back between the last failure and the first success. A packing costs
+O(n log n) (adaptive: O(n * kinds)) and never loops over the ``W`` segments, so huge ``W``
+costs what small ``W`` does.
 """
 
 from __future__ import annotations
@@ -111,6 +119,7 @@ class _Packer:
         self.flexible = sorted((i for i in idx if L[i] == a or e[i] == 0), key=lambda i: (-e[i], i))
         self.structured = structured
         self.by_block = sorted(structured, key=lambda i: (-L[i], -e[i], i))
+        self.by_size = sorted(structured, key=lambda i: (-e[i], -L[i], i))
         # identical structured tensors form kinds, for the adaptive packing
         kinds: dict[tuple[int, int], list[int]] = {}
         for i in self.by_block:
@@ -153,7 +162,7 @@ class _Packer:
         cap = self.prob.world_size * S
         best_end = None
         for name in ("block-order+fill", "adaptive+fill", "adaptive-hard+fill", "adaptive-shim",
-                     "block-order+small-fill", "model-order+fill", "model-order"):
+                     "size-order+fill", "block-order+small-fill", "model-order+fill", "model-order"):
             offs, end = self._run(name, S)
             if offs is not None and end <= cap:
                 return (offs, name), end
@@ -180,6 +189,8 @@ class _Packer:
             pos = self._sequence(S, big, offs, gaps)
         elif name == "block-order+fill":
             pos, fillers = self._sequence(S, self.by_block, offs, gaps), self.flexible
+        elif name == "size-order+fill":
+            pos, fillers = self._sequence(S, self.by_size, offs, gaps), self.flexible
         elif name == "model-order+fill":
             pos, fillers = self._sequence(S, self.structured, offs, gaps), self.flexible
         else:
