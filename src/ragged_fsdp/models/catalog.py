@@ -51,7 +51,7 @@ class Tensor(NamedTuple):
 @dataclass(frozen=True)
 class Group:
     name: str
-    tensors: tuple[Tensor, ...]
+    tensors: list[Tensor]
 
     @property
     def numel(self) -> int:
@@ -64,7 +64,7 @@ class ModelShapes:
     base: str  # e.g. "gpt-oss-120b"
     variant: str | None
     config: dict
-    groups: tuple[Group, ...]
+    groups: list[Group]
 
     @property
     def num_params(self) -> int:
@@ -130,12 +130,12 @@ def get_model(model_id: str, variant: str | None = None) -> ModelShapes:
         )
     variant = variant or (variants[0] if variants else None)
     layer_fn = _LAYERS[cfg["family"]]
-    groups = [Group("embed", (Tensor("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"])),))]
-    groups += [Group(f"layers.{i}", tuple(layer_fn(cfg, i, variant))) for i in range(cfg["layers"])]
-    groups.append(Group("head", (Tensor("model.norm.weight", (cfg["hidden"],)),
-                                 Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"])))))
+    groups = [Group("embed", [Tensor("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"]))])]
+    groups += [Group(f"layers.{i}", layer_fn(cfg, i, variant)) for i in range(cfg["layers"])]
+    groups.append(Group("head", [Tensor("model.norm.weight", (cfg["hidden"],)),
+                                 Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"]))]))
     mid = base if variant in (None, variants[0] if variants else None) else f"{base}:{variant}"
-    return ModelShapes(mid, base, variant, dict(cfg), tuple(groups))
+    return ModelShapes(mid, base, variant, dict(cfg), groups)
 
 
 # -- per-family transformer blocks ---------------------------------------------------------
