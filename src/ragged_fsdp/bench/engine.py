@@ -50,10 +50,14 @@ def build(kind: str, seq_len: int) -> torch.nn.Module:
         return Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                                  ffn_hidden=704, max_seq_len=seq_len))
     if kind == "moe":
+        # Fused 3-D experts: with separate expert modules, an expert that gets no token on
+        # one rank has no gradient there, and FSDP2 then reduce-scatters a different set
+        # of tensors on each rank (a collective mismatch; ragged_fsdp handles it).
         from ragged_fsdp.models.moe import MoE, MoEConfig
 
         return MoE(MoEConfig(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                             n_experts=32, top_k=2, expert_hidden=128, max_seq_len=seq_len))
+                             n_experts=32, top_k=2, expert_hidden=128, max_seq_len=seq_len,
+                             fused_experts=True))
     raise ValueError(f"unknown model kind {kind!r}: expected dense or moe")
 
 
@@ -77,6 +81,16 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, cfg: BenchConfig, port: int, queue) -> None:
+    try:
+        _bench_rank(rank, cfg, port, queue)
+    except BaseException:
+        import traceback
+
+        queue.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from .copies import CopyCounter
@@ -132,7 +146,7 @@ def _worker(rank: int, cfg: BenchConfig, port: int, queue) -> None:
                 _profile(runs[v])
         report[kind] = res
     if rank == 0:
-        queue.put(report)
+        queue.put(("ok", rank, report))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -161,7 +175,11 @@ def run(cfg: BenchConfig) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, cfg, port, queue)) for r in range(cfg.world)]
     for p in procs:
         p.start()
-    report = queue.get()
+    status, rank, report = queue.get()
+    if status != "ok":
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"bench rank {rank} failed:\n{report}")
     for p in procs:
         p.join()
     return report
