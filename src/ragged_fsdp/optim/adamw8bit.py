@@ -81,6 +81,9 @@ class AdamW8bit(Optimizer):
                                  f"{p.dtype}; only real floating-point parameters are supported")
             lay = layout_of(p, f"AdamW8bit parameter {param_name(group, i, p, gi)}")
             self._check_blocks(p, lay, group, param_name(group, i, p, gi))
+            if p.requires_grad and len(self.state[p]) == 0:
+                # made now, not at the first step: checkpoint loaders need them to exist
+                self._init_state(p, lay, group, param_name(group, i, p, gi))
 
     def _check_group(self, group: dict, gi: int) -> None:
         where = f"AdamW8bit param group {gi}"

@@ -294,6 +294,20 @@ class Muon(Optimizer):
                     "with use_muon=False (AdamW), e.g. with ragged_fsdp.optim.muon_param_groups(model)"
                 )
             layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+            if p.requires_grad:
+                self._init_state(p, use_muon)
+
+    def _init_state(self, p, use_muon: bool) -> None:
+        """States are made when the parameter joins (zeros, step 0), not at its first step:
+        checkpoint loaders (DCP) need them to exist, and an engine that pre-assigns ``.grad``
+        buffers defeats torch's "initialise by a zero-lr step" heuristic."""
+        state = self.state[p]
+        if use_muon:
+            state.setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
+        elif len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _check_group(self, group: dict, gi: int) -> None:
         where = f"Muon param group {gi}"
@@ -502,9 +516,7 @@ class Muon(Optimizer):
                 raise RuntimeError(f"Muon (AdamW group): parameter {param_name(group, i, p, gi)} has a sparse gradient")
             state = self.state[p]
             if len(state) == 0:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self._init_state(p, False)
             params.append(local_of(p))
             grads.append(local_of(p.grad))
             exp_avgs.append(local_of(state["exp_avg"]))
