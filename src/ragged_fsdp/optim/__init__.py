@@ -1,8 +1,32 @@
 """Structure-aware optimizers: distributed Muon and block-wise 8-bit AdamW.
 
 Both work on plain modules and on modules sharded by ``ragged_fsdp.fully_shard`` (or any
-layout that gives each rank one contiguous run of each parameter), and each says what the
-sharding must keep whole through a ``granularity`` policy for ``fully_shard``.
+layout that gives each rank one contiguous run of each parameter: RaggedShard, torch's
+``Shard(0)``, Replicate), and each says what the sharding must keep whole through a
+``granularity`` policy for ``fully_shard``::
+
+    from ragged_fsdp import fully_shard
+    from ragged_fsdp.optim import AdamW8bit, Muon, combined_granularity, muon_param_groups
+
+    # 8-bit AdamW: quantisation blocks must stay whole (an error names the parameter if not)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=AdamW8bit.granularity)
+    fully_shard(model, mesh=mesh, granularity_fn=AdamW8bit.granularity)
+    opt = AdamW8bit(model.parameters(), lr=3e-4)
+
+    # Muon for hidden matrices, AdamW for embeddings/head/1-D (explicit groups)
+    policy = combined_granularity(model)        # build before the first fully_shard
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=policy)
+    fully_shard(model, mesh=mesh, granularity_fn=policy)
+    opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-4}))
+
+Exactness: Muon's parameters equal single-device ``torch.optim.Muon`` bit for bit (the owner
+of each matrix runs the same Newton-Schulz on the same full matrix), AdamW8bit's parameters and
+states are the same bits at every world size (each rank quantises whole blocks of its own).
+Both expose ``state_dict()``/``load_state_dict()`` with DTensor states (codes in the parameter's
+layout, absmax as a RaggedDTensor over blocks) that load under any other layout or world size
+(full tensors, DTensors, or through DCP).
 """
 from .adamw8bit import AdamW8bit, state_bytes
 from .muon import Muon, adjust_lr, newton_schulz, newton_schulz_flops
