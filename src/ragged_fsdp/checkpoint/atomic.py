@@ -150,7 +150,8 @@ def save(
         raise plan
     step_, tmp, final = plan
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, planner=planner)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, planner=planner,
+             no_dist=not _use_dist(process_group))
     if _use_dist(process_group):
         dist.barrier(group=process_group)  # every rank's files are written and synced
 

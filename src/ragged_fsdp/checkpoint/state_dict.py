@@ -187,7 +187,7 @@ def _describe(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _names(keys, limit: int = 20) -> str:
+def _names(keys, limit: int = 50) -> str:
     keys = sorted(keys)
     more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
@@ -235,7 +235,7 @@ def _full_to_shards(full: dict, local: dict, *, broadcast: bool, strict: bool, w
         if unexpected:
             parts.append(f"unexpected keys: {_names(unexpected)}")
         if wrong:
-            parts.append(f"shape mismatches: {'; '.join(wrong[:20])}")
+            parts.append(f"shape mismatches: {'; '.join(wrong[:50])}")
         raise RuntimeError(f"ragged_fsdp: cannot load the full {what}: " + "; ".join(parts))
 
     out: dict[str, Any] = {}

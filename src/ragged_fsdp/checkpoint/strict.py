@@ -39,7 +39,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
     return dcp.FileSystemReader(path).read_metadata()
 
 
-def _listing(keys, other_tops=None, limit=20) -> str:
+def _listing(keys, other_tops=None, limit=50) -> str:
     """Keys, with whole top-level entries that the other side lacks folded into one item."""
     keys = list(keys)
     items, folded = [], {}
@@ -68,21 +68,22 @@ def check_state(state: dict[str, Any], metadata: Metadata, *, where: str = "the 
         v, md = flat[k], saved[k]
         if isinstance(md, TensorStorageMetadata):
             if not isinstance(v, torch.Tensor):
-                mismatched.append(f"{k} (a tensor {tuple(md.size)} in {where}, a {type(v).__name__} here)")
+                mismatched.append(f"{k} (saved: tensor {tuple(md.size)}; here: {type(v).__name__})")
             elif tuple(v.shape) != tuple(md.size):
-                mismatched.append(f"{k} (shape {tuple(md.size)} in {where}, {tuple(v.shape)} here)")
+                mismatched.append(f"{k} (saved {tuple(md.size)}, here {tuple(v.shape)})")
         elif isinstance(md, BytesStorageMetadata) and isinstance(v, torch.Tensor) and v.dim() > 0:
-            mismatched.append(f"{k} (not a tensor in {where}, a tensor of shape {tuple(v.shape)} here)")
+            mismatched.append(f"{k} (saved: not a tensor; here: tensor {tuple(v.shape)})")
     if missing or unexpected or mismatched:
         state_tops = {k.split(".", 1)[0] for k in flat}
         saved_tops = {k.split(".", 1)[0] for k in saved}
         parts = []
         if missing:
-            parts.append(f"keys missing from {where}: {_listing(missing, saved_tops)}")
+            parts.append(f"keys missing from the checkpoint: {_listing(missing, saved_tops)}")
         if unexpected:
-            parts.append(f"keys in {where} that the state lacks: {_listing(unexpected, state_tops)}")
+            parts.append(f"keys in the checkpoint that the state lacks: {_listing(unexpected, state_tops)}")
         if mismatched:
             parts.append(f"keys of another shape or kind: {_listing(mismatched)}")
+        parts.insert(0, f"checkpoint {where}")
         hint = ""
         if any(".state." in k and k.split(".", 1)[0] in state_tops for k in unexpected):
             hint = (
@@ -111,7 +112,13 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True,
     if strict:
         check_state(sd, md, where=path)
     planner = None if strict else dcp.DefaultLoadPlanner(allow_partial_load=True)
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=process_group)
-    for k, v in state.items():
+    import torch.distributed as dist
+
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=process_group,
+             no_dist=no_dist)
+    for k, v in list(state.items()):
         if isinstance(v, Stateful):
             v.load_state_dict(sd[k])
+        else:  # DCP replaces non-tensor leaves (ints, strings) in the dict it was given
+            state[k] = sd[k]
