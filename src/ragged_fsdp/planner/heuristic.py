@@ -91,9 +91,12 @@ def _search(packer: "_Packer", cond: Conditions, s_lb: int, W: int, a: int):
         if fails > 3:  # the packings do not converge: grow geometrically
             jump = max(jump, S0 >> max(0, 8 - fails))
         x = S0 + jump
-    # the first success may have jumped past a smaller feasible S: bisect below it
+    # the first success may have jumped past a smaller feasible S: bisect below it, unless
+    # the most it could save is under 0.01% of the elements
     hi = found
     lo = max((S for S, (got, _) in tried.items() if got is None and S < hi), default=None)
+    if lo is not None and (hi - lo) * W * 10_000 <= packer.used:
+        lo = None
     for _ in range(_REFINE_STEPS if lo is not None else 0):
         cands = [c for c in packer.candidates(cond, (lo + hi) // 2 + 1) if lo < c < hi]
         cands = cands or [c for c in packer.candidates(cond, lo + 1) if lo < c < hi]
@@ -113,6 +116,8 @@ class _Packer:
 
     def __init__(self, prob: Problem):
         self.prob = prob
+        self.used = sum(prob.e)
+        self._limit = None
         n, e, L, a = prob.n, prob.e, prob.L, prob.a
         idx = range(n)
         structured = [i for i in idx if L[i] > a and e[i] > 0]
@@ -161,13 +166,15 @@ class _Packer:
         ``(None, least end seen)`` (end None when no packing could place every tensor)."""
         cap = self.prob.world_size * S
         best_end = None
+        self._limit = None  # a packing that passes the best end so far stops early
         for name in ("block-order+fill", "adaptive+fill", "adaptive-hard+fill", "adaptive-shim",
-                     "size-order+fill", "block-order+small-fill", "model-order+fill", "model-order"):
+                     "size-order+fill", "adaptive-look+fill", "block-order+small-fill",
+                     "model-order+fill", "model-order"):
             offs, end = self._run(name, S)
             if offs is not None and end <= cap:
                 return (offs, name), end
             if end is not None and (best_end is None or end < best_end):
-                best_end = end
+                best_end = self._limit = end
         return None, best_end
 
     def _run(self, name: str, S: int):
@@ -177,7 +184,8 @@ class _Packer:
         if name == "adaptive-shim":  # flexible tensors join in, as shims across boundaries
             pos, fillers = self._adaptive(S, offs, gaps, kinds=self.all_kinds), []
         elif name.startswith("adaptive"):
-            pos = self._adaptive(S, offs, gaps, hard=name.startswith("adaptive-hard"))
+            pos = self._adaptive(S, offs, gaps, hard=name.startswith("adaptive-hard"),
+                                 look=name.startswith("adaptive-look"))
             fillers = self.flexible
         elif name == "block-order+small-fill":
             e = prob.e
@@ -203,7 +211,7 @@ class _Packer:
     def _sequence(self, S, order, offs, gaps):
         """Each tensor of ``order`` at its earliest offset after the previous one."""
         e, L, a = self.prob.e, self.prob.L, self.prob.a
-        pos = 0
+        pos, limit = 0, self._limit
         for i in order:
             ei, Li = e[i], L[i]
             r = S - pos % S  # earliest_start, inlined for speed on the common paths
@@ -219,21 +227,30 @@ class _Packer:
                 insort(gaps, (l - pos, pos, l))
             offs[i] = l
             pos = -(-(l + ei) // a) * a
+            if limit is not None and pos > limit:
+                return None
         return pos
 
-    def _adaptive(self, S, offs, gaps, hard=False, kinds=None):
+    def _adaptive(self, S, offs, gaps, hard=False, kinds=None, look=False):
         """At each step, the kind that leaves no gap (largest block first), else the least gap.
 
         ``hard``: any kind that can start in the current segment with a small gap (under
         S/1024) counts as gap-free, so the kinds allowed only one cut (their block does not
         divide S) and then the coarsest blocks go first, and the flexible ones are kept for
-        the places where nothing else fits without skipping to the next segment."""
+        the places where nothing else fits without skipping to the next segment.
+
+        ``look``: among the gap-free kinds, prefer one after which filling on with the
+        coarsest kind reaches the next boundary at a point some kind can cross without a gap
+        (e.g. an odd-sized tensor that fixes the parity of the position in time)."""
         a = self.prob.a
         tol = S >> 10 if hard else 0
         left = [[ek, Lk, members, 0] for ek, Lk, members in (kinds or self.kinds)]
-        pos = 0
+        pos, limit = 0, self._limit
         while left:
+            if limit is not None and pos > limit:
+                return None
             r = S - pos % S
+            near = look and r < 2 * max(k[0] for k in left)  # lookahead only near a boundary
             best = None
             for k in left:
                 ek, Lk = k[0], k[1]
@@ -248,6 +265,8 @@ class _Packer:
                 gap = l - pos
                 if hard:  # no skip, small gap, then one-cut kinds and coarse blocks first
                     key = (gap >= r, gap > tol, S % Lk == 0, -Lk, gap, -ek)
+                elif near and gap == 0:
+                    key = (self._rollout_gap(S, a, -(-(l + ek) // a) * a, left, k), 0, -Lk, -ek)
                 else:
                     key = (gap, -Lk, -ek)
                 if best is None or key < best[0]:
@@ -263,6 +282,32 @@ class _Packer:
             if done == len(members):
                 left.remove(k)
         return pos
+
+    @staticmethod
+    def _rollout_gap(S, a, pos, left, taken):
+        """After ``taken`` ends at ``pos``: fill the segment with the first remaining kind
+        (block order) as far as it fits whole, then the least gap of a kind crossing the
+        boundary. Small kinds that still fit are ignored."""
+        def remaining(k):
+            return len(k[2]) - k[3] - (k is taken)
+
+        first = next((k for k in left if remaining(k) > 0), None)
+        if first is None:
+            return 0
+        r = S - pos % S
+        step = -(-first[0] // a) * a
+        if step <= r:
+            m = min(remaining(first), r // step)
+            pos, r = pos + m * step, r - m * step
+        best = None
+        for k in left:
+            ek, Lk = k[0], k[1]
+            if ek <= r or remaining(k) <= 0:
+                continue
+            l = pos + r % Lk if S % Lk == 0 else earliest_start(pos, ek, Lk, S)
+            if l is not None and (best is None or l - pos < best):
+                best = l - pos
+        return best or 0
 
     def _fill(self, S, fillers, offs, gaps, pos):
         """Fillers, largest first, into the smallest gap that takes them, else at the end."""
@@ -294,4 +339,6 @@ class _Packer:
                 insort(gaps, (l - pos, pos, l))
             offs[i] = l
             pos = -(-(l + ei) // a) * a
+            if self._limit is not None and pos > self._limit:
+                return None
         return pos
