@@ -163,6 +163,102 @@ def _hf_sharded(world, seed, gran=None):
     return model
 
 
+# -- odd layouts through plain DCP: k-dim boxes, units, empty ranks, 0-d, empty, HSDP ----
+def _box_tensors():
+    g = torch.Generator().manual_seed(5)
+    return {
+        "t3": torch.randn(5, 4, 3, generator=g),          # runs over 3 flattened dims
+        "t3_rows": torch.randn(4, 5, 6, generator=g),     # dims (0, 1): rows of 6
+        "rows_u4": torch.randn(29, 7, generator=g),       # 4-row units, last one partial
+        "flat_u64": torch.randn(300, generator=g),        # 64-element blocks
+        "scalar": torch.randn((), generator=g),
+        "empty": torch.zeros(0, 4),
+        "int8": torch.randint(-100, 100, (40, 3), generator=g, dtype=torch.int8),
+    }
+
+
+def _cuts(n, world, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = sorted(torch.randint(0, n + 1, (world - 1,), generator=g).tolist())
+    counts = [b - a for a, b in zip([0] + c, c + [n])]
+    if world > 2:  # a rank with nothing in the middle
+        counts[0] += counts[1]
+        counts[1] = 0
+    return tuple(counts)
+
+
+def _box_placements(world, variant):
+    from ragged_fsdp import RaggedShard
+
+    v = 100 * variant
+    return {
+        "t3": RaggedShard((0, 1, 2), _cuts(60, world, v + 1)),
+        "t3_rows": RaggedShard((0, 1), _cuts(20, world, v + 2)),
+        "rows_u4": RaggedShard((0,), _cuts(8, world, v + 3), 4),
+        "flat_u64": RaggedShard((0,), _cuts(5, world, v + 4), 64),
+        "scalar": RaggedShard((), tuple(int(r == (variant + 1) % world) for r in range(world))),
+        "empty": RaggedShard((0,), (0,) * world),
+        "int8": RaggedShard((0, 1), _cuts(120, world, v + 5)),
+    }
+
+
+def _box_state(world, variant, zeros=False):
+    from ragged_fsdp import distribute_tensor
+
+    mesh, pl = _mesh(world), _box_placements(world, variant)
+    return {k: distribute_tensor(torch.zeros_like(t) if zeros else t, mesh, [pl[k]])
+            for k, t in _box_tensors().items()}
+
+
+def _hsdp_mesh():
+    if "hsdp" not in _MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESH["hsdp"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "dp"))
+    return _MESH["hsdp"]
+
+
+def case_a_save_boxes(rank, world):
+    from torch.distributed.tensor import Replicate
+
+    from ragged_fsdp import RaggedShard, distribute_tensor
+
+    state = _box_state(world, 0)
+    # HSDP: replicated over "rep", ragged over "dp"; DCP keeps one copy of each box
+    t = _box_tensors()["rows_u4"] * 3
+    state["hsdp"] = distribute_tensor(t, _hsdp_mesh(), [Replicate(), RaggedShard((0, 1), (150, 53))])
+    dcp.save({"boxes": state}, checkpoint_id=_d("boxes"))
+    # full and broadcast state dicts work on the 2-D mesh too
+    import ragged_fsdp.checkpoint as ck
+
+    m = torch.nn.Module()
+    m.w = torch.nn.Parameter(distribute_tensor(torch.zeros_like(t), _hsdp_mesh(), state["hsdp"].placements))
+    ck.set_model_state_dict(m, {"w": t} if rank == 0 else {},
+                            options=ck.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert torch.equal(m.w.full_tensor(), t)
+    got = ck.get_model_state_dict(m, options=ck.StateDictOptions(full_state_dict=True))
+    assert torch.equal(got["w"], t)
+
+
+def _load_boxes(rank, world):
+    state = _box_state(world, 1, zeros=True)
+    want = _box_tensors()
+    state["hsdp"] = _box_state(world, 1, zeros=True)["rows_u4"]
+    want["hsdp"] = want["rows_u4"] * 3
+    dcp.load({"boxes": state}, checkpoint_id=_d("boxes"))
+    for k, t in want.items():
+        got = state[k].full_tensor()
+        assert got.dtype == t.dtype and torch.equal(got, t), k
+
+
+def case_b_load_boxes(rank, world):
+    _load_boxes(rank, world)
+
+
+def case_e_load_boxes(rank, world):
+    _load_boxes(rank, world)
+
+
 # -- phase A: W=4 saves ------------------------------------------------------------------
 def case_a_save_references(rank, world):
     for name in OPTIMIZERS:
@@ -397,11 +493,12 @@ def case_e_load_plain_idiom(rank, world):
 
 
 PHASES = [
-    (4, [case_a_save_references, case_a_atomic_save]),
-    (3, [case_b_load_plain_idiom, case_b_state_dict_functions, case_b_mismatch_errors, case_b_load_latest]),
+    (4, [case_a_save_references, case_a_atomic_save, case_a_save_boxes]),
+    (3, [case_b_load_plain_idiom, case_b_state_dict_functions, case_b_mismatch_errors, case_b_load_latest,
+         case_b_load_boxes]),
     (2, [case_c_trainstate_load, case_c_resume_part1, case_c_hf_save]),
     (2, [case_d_resume_part2, case_d_state_dict_keeps_params_trainable]),
-    (1, [case_e_load_plain_idiom, case_e_hf_load]),
+    (1, [case_e_load_plain_idiom, case_e_hf_load, case_e_load_boxes]),
 ]
 
 
@@ -467,6 +564,20 @@ def test_resume_bitwise(results):
 
 def test_state_dict_keeps_params_trainable(results):
     _check(results, "case_d_state_dict_keeps_params_trainable")
+
+
+def test_odd_layouts_and_hsdp_reshard(results):
+    """3-D runs, units, empty ranks, 0-d, zero-size and int8 tensors, and a 2-D (HSDP) mesh:
+    saved at W=4, loaded at W=3 and W=1 with other cuts, and into plain tensors here."""
+    _check(results, "case_a_save_boxes")
+    _check(results, "case_b_load_boxes")
+    _check(results, "case_e_load_boxes")
+    want = _box_tensors()
+    want["hsdp"] = want["rows_u4"] * 3
+    state = {"boxes": {k: torch.full_like(t, 7) for k, t in want.items()}}
+    dcp.load(state, checkpoint_id=os.path.join(results[0], "boxes"))
+    for k, t in want.items():
+        assert torch.equal(state["boxes"][k], t), k
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
