@@ -294,6 +294,29 @@ def test_lower_bound_below_exact_below_heuristic(inst):
     assert lower_bound(specs, world, align) <= exact.total <= heur.total
 
 
+@st.composite
+def repeated_instances(draw):
+    """Few kinds of identical tensors (like a layer's experts) and maybe one flexible one."""
+    specs = []
+    for k in range(draw(st.integers(1, 3))):
+        shape = tuple(draw(st.lists(st.integers(1, 10), min_size=1, max_size=2)))
+        gran = draw(st.sampled_from(["row", "rows:2", "rows:3", "block:4", "block:6", "tensor", None]))
+        specs += [TensorSpec(f"k{k}.{c}", shape, 1, gran) for c in range(draw(st.integers(1, 6)))]
+    if draw(st.booleans()):
+        specs.append(TensorSpec("flex", (draw(st.integers(1, 9)),), 1))
+    return specs, draw(st.sampled_from([2, 3, 4, 6, 8, 16])), draw(st.sampled_from([1, 2, 4]))
+
+
+@given(repeated_instances())
+@FAST
+def test_lower_bound_below_exact_with_repeated_tensors(inst):
+    specs, world, align = inst
+    heur = plan_group(specs, world, align)
+    exact = solve_exact(specs, world, align, s_max=heur.segment)
+    assert validate_plan(heur, specs) == [] and validate_plan(exact, specs) == []
+    assert heur.lower_bound <= exact.total <= heur.total
+
+
 def test_lower_bound_respects_divisibility():
     # 100 rows of 7 in blocks of 4 rows (28 elements) over 10 ranks: capacity says 70, but a
     # tensor longer than 2S must have its block divide S: S=84 (3 blocks) is the first that
