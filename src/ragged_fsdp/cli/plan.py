@@ -17,7 +17,7 @@ import sys
 from ..models.catalog import get_model, list_models, model_specs
 from ..planner.baselines import BASELINES, all_baselines
 from ..planner.granularity import GRANULARITY_FORMS, Granularity
-from ..planner.model import ModelPlan, plan_model
+from ..planner.model import plan_model
 from ..planner.suggest import suggest
 
 DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
