@@ -241,6 +241,7 @@ def case_a_save_boxes(rank, world):
 
 
 def _load_boxes(rank, world):
+    """The W=4 'boxes' checkpoint under other cuts."""
     state = _box_state(world, 1, zeros=True)
     want = _box_tensors()
     state["hsdp"] = _box_state(world, 1, zeros=True)["rows_u4"]
@@ -257,6 +258,10 @@ def case_b_load_boxes(rank, world):
 
 def case_e_load_boxes(rank, world):
     _load_boxes(rank, world)
+    state = _box_state(world, 1, zeros=True)
+    dcp.load({"boxes": state}, checkpoint_id=_d("boxes_async"))
+    for k, t in _box_tensors().items():
+        assert torch.equal(state[k].full_tensor(), t), f"async_save: {k}"
 
 
 # -- phase A: W=4 saves ------------------------------------------------------------------
@@ -452,6 +457,13 @@ def _group_names(model, group):
     return [names[id(p)] for p in group["params"]]
 
 
+def case_c_async_save(rank, world):
+    import ragged_fsdp.checkpoint as ck
+
+    state = _box_state(world, 0)
+    ck.async_save({"boxes": state}, checkpoint_id=_d("boxes_async")).result()
+
+
 def case_c_resume_part1(rank, world):
     import ragged_fsdp.checkpoint as ck
 
@@ -496,7 +508,7 @@ PHASES = [
     (4, [case_a_save_references, case_a_atomic_save, case_a_save_boxes]),
     (3, [case_b_load_plain_idiom, case_b_state_dict_functions, case_b_mismatch_errors, case_b_load_latest,
          case_b_load_boxes]),
-    (2, [case_c_trainstate_load, case_c_resume_part1, case_c_hf_save]),
+    (2, [case_c_trainstate_load, case_c_resume_part1, case_c_hf_save, case_c_async_save]),
     (2, [case_d_resume_part2, case_d_state_dict_keeps_params_trainable]),
     (1, [case_e_load_plain_idiom, case_e_hf_load, case_e_load_boxes]),
 ]
@@ -568,8 +580,10 @@ def test_state_dict_keeps_params_trainable(results):
 
 def test_odd_layouts_and_hsdp_reshard(results):
     """3-D runs, units, empty ranks, 0-d, zero-size and int8 tensors, and a 2-D (HSDP) mesh:
-    saved at W=4, loaded at W=3 and W=1 with other cuts, and into plain tensors here."""
+    saved at W=4, loaded at W=3 and W=1 with other cuts, and into plain tensors here; the
+    same tensors through ``ragged_fsdp.checkpoint.async_save`` at W=2."""
     _check(results, "case_a_save_boxes")
+    _check(results, "case_c_async_save")
     _check(results, "case_b_load_boxes")
     _check(results, "case_e_load_boxes")
     want = _box_tensors()
