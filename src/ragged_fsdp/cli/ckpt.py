@@ -12,13 +12,14 @@ published checkpoint is used). No process group is needed.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("ckpt", help="inspect and convert checkpoints (DCP <-> torch.save)",
-                       description=__doc__.split("\n\n")[0])
+                       description=__doc__.replace("`ckpt`: ", "", 1), formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION")
     c = cmds.add_parser(
         "convert",
