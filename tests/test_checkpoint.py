@@ -90,7 +90,7 @@ def test_load_names_every_mismatch_and_loads_nothing(tmp_path):
     assert any("model.0.weight" in m and "(7, 5)" in m and "(8, 5)" in m for m in e.value.mismatched)
     _equal_trees(other.state_dict(), before)
     # a fresh optimizer has no state to load into: say so instead of skipping it
-    fresh, fresh_opt = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)), None
+    fresh = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     with pytest.raises(ck.CheckpointMismatchError, match="has not stepped"):
         ck.load({"model": fresh, "optim": fresh_opt}, path)
@@ -105,9 +105,9 @@ def _cli(*args):
 
 
 def test_cli_convert_both_ways(tmp_path):
-    from ragged_fsdp.cli import ckpt as cli
-
     import argparse
+
+    from ragged_fsdp.cli import ckpt as cli
 
     def run(*args):
         parser = argparse.ArgumentParser()
