@@ -259,7 +259,18 @@ def case_bad_input(rank, world):
             a + rf.distribute_tensor(full, other, [p])
 
 
+def case_detach_is_a_new_tensor(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    shape, p = _layouts(world)[2]
+    prm = torch.nn.Parameter(rf.distribute_tensor(torch.randn(shape), mesh, [p]))
+    d = prm.detach()
+    assert d is not prm and isinstance(d, rf.RaggedDTensor) and not d.requires_grad
+    assert prm.requires_grad  # state_dict() detaches every parameter; it must stay trainable
+    assert d.to_local().data_ptr() == prm.to_local().data_ptr()
+
+
 CASES = [
+    case_detach_is_a_new_tensor,
     case_round_trip, case_redistribute, case_redistribute_autograd,
     case_optimizers_match_full_tensors, case_bf16_optimizer, case_clip_grad_norm,
     case_reductions_and_factories, case_random_init_is_world_size_independent, case_bad_input,

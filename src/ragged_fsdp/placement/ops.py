@@ -149,8 +149,11 @@ def _rewrap(func, out, args, kwargs, by_pos):
     schema = func._schema
     if not schema.returns:  # void in-place ops (_foreach_add_, _fused_adamw_)
         return None
-    if len(schema.returns) == 1 and schema.returns[0].alias_info is not None:
-        # In-place or view of an input: hand back the input object, as torch does.
+    alias = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+    if alias is not None and alias.is_write:
+        # In-place: hand back the mutated input object, as torch does. (A non-writing
+        # alias such as detach must be a new tensor, or detaching would flip the
+        # parameter's own requires_grad.)
         return args[0] if args else kwargs["self"]
     if isinstance(out, (list, tuple)):
         foreach = func.__name__.startswith("_foreach_")
