@@ -127,6 +127,8 @@ def compare_training(
     param_atol: float = 5e-4,
     check_grad_none: bool = True,
     after_step=None,
+    loss_fn=None,
+    vocab: int | None = None,
 ):
     """Train ``wrap(build(), mesh)`` on W ranks and ``build()`` in one process on the same
     global batches with AdamW; check losses (relative) and parameters (absolute).
@@ -147,11 +149,14 @@ def compare_training(
     model = wrap(model, mesh) or model
     opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=True)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=lr, foreach=True)
-    vocab = ref.cfg.vocab_size
+    vocab = vocab or ref.cfg.vocab_size
+    if loss_fn is None:
+        def loss_fn(m, t, y):
+            return m.loss(t, y)
     B = batch_per_rank * world * micro
     for step in range(steps):
         tokens, targets = global_batch(step, B, seq, vocab)
-        ref_loss = ref.loss(tokens, targets)
+        ref_loss = loss_fn(ref, tokens, targets)
         ref_loss.backward()
         total = torch.zeros(())
         per = batch_per_rank * world
@@ -162,7 +167,7 @@ def compare_training(
                 model.set_requires_gradient_sync(m == micro - 1)
             if micro > 1 and keep_unsharded_between_micro:  # torch's recipe: no re-gather
                 model.set_reshard_after_backward(m == micro - 1)
-            loss = model.loss(t, y) / micro
+            loss = loss_fn(model, t, y) / micro
             loss.backward()
             total += loss.detach()
         dist.all_reduce(total)

@@ -37,6 +37,18 @@ def backend_of(group) -> str:
     return b
 
 
+class _Both:
+    """Two work handles waited on as one."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def wait(self):
+        for w in (self.a, self.b):
+            if w is not None:
+                w.wait()
+
+
 @dataclass
 class Comm:
     """The process group of a data-parallel mesh dim and how to talk on it."""
@@ -108,17 +120,32 @@ def reduce_scatter(
         return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target))
 
     if comm.gloo:
-        received = torch.empty_like(grad)
+        # Two all-to-alls move exactly the pieces other ranks own: each rank sends the
+        # chunks before its own to the lower ranks, those after it to the higher ranks, and
+        # receives the W-1 pieces of its own chunk into one (W-1)*S buffer (no copy of
+        # its own piece, which stays in `grad`).
+        r = comm.rank
+        own = grad.narrow(0, r * S, S)
+        received = torch.empty((W - 1) * S, dtype=grad.dtype, device=grad.device)
+        lower = [S] * r + [0] * (W - r)  # to / from ranks below r
+        upper = [0] * (r + 1) + [S] * (W - r - 1)  # to / from ranks above r
 
         def issue(async_op: bool):
-            return dist.all_to_all_single(received, grad, group=comm.group, async_op=async_op)
+            w1 = dist.all_to_all_single(
+                received.narrow(0, r * S, (W - 1 - r) * S), grad.narrow(0, 0, r * S),
+                output_split_sizes=upper, input_split_sizes=lower, group=comm.group, async_op=async_op)
+            w2 = dist.all_to_all_single(
+                received.narrow(0, 0, r * S), grad.narrow(0, (r + 1) * S, (W - 1 - r) * S),
+                output_split_sizes=lower, input_split_sizes=upper, group=comm.group, async_op=async_op)
+            return _Both(w1, w2)
 
         def post():
-            pieces = received.view(W, S)
+            total = torch.sum(received.view(W - 1, S), dim=0, dtype=target.dtype)
+            total.add_(own)
             if not accumulate and divide_factor is None:
-                torch.mean(pieces, dim=0, dtype=target.dtype, out=target)
+                torch.mul(total, 1.0 / factor, out=target) if total.dtype == target.dtype else target.copy_(total.mul_(1.0 / factor))
             else:
-                finish(torch.sum(pieces, dim=0, dtype=target.dtype), False)
+                finish(total, False)
 
         return device.launch(lane, issue, post=post, keep=(grad, received, target))
 

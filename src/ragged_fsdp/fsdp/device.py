@@ -65,6 +65,11 @@ class Device:
     """CPU / gloo: async work handles stand in for streams."""
 
     type = "cpu"
+    # Keep a group's gradient reduction in flight while the next group computes its
+    # backward? On CPU the collective's copies run on the same cores as the compute, so
+    # overlapping buys little time and holds the gradient and receive buffers of one more
+    # group; the reduction completes before backward continues. Accelerators overlap.
+    overlap_reductions = False
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -74,17 +79,12 @@ class Device:
         work = comm(True)
         return Pending(work=work, post=post, keep=keep)
 
-    def run_now(self, comm: Comm, post: Callable[[], None] | None = None) -> None:
-        """Issue and complete on the compute thread/stream (used when nothing can overlap)."""
-        comm(False)
-        if post is not None:
-            post()
-
 
 class CudaDevice(Device):
     """CUDA / NCCL: one side stream per lane, events instead of ``record_stream``."""
 
     type = "cuda"
+    overlap_reductions = True
 
     def __init__(self, device: torch.device):
         super().__init__(device)

@@ -324,11 +324,15 @@ class ParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
             return
-        self.ctx.retire_reductions(keep=1)
+        # Wait for the previous group's reduction before issuing this one: one in flight
+        # while the next group computes its backward.
+        self.ctx.retire_reductions(keep=0)
         starts = []
         for b, buf in enumerate(self.buffers):
             if buf.grad is None:
-                continue
+                if not any(i.buffer == b and i.sharded.requires_grad for i in self.infos):
+                    continue
+                buf.alloc_grad()  # every rank reduces the same buffers, used here or not
             touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
             starts.append((b, buf.take_grad(), touched))
         for info in self.infos:
@@ -338,6 +342,8 @@ class ParamGroup:
             self.reshard()
         for b, grad, touched in starts:
             self._reduce(b, grad, touched)
+        if not self.dev.overlap_reductions:
+            self.ctx.retire_reductions(keep=0)
 
     def _reduce(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
         buf = self.buffers[b]
