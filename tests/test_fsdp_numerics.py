@@ -46,7 +46,18 @@ def case_reshard_variants(rank, world):
     if world == 4:
         variants.append(2)
     for r in variants:
-        compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(n_layers=3)), _wrap(reshard=r), steps=3)
+        model, _ = compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(n_layers=3)), _wrap(reshard=r), steps=3)
+        if r == 2:  # after forward each rank keeps half of a block's buffer; backward gathers in pairs
+            from ragged_fsdp.fsdp.param_group import ShardedState
+
+            tokens = torch.randint(0, 96, (1, 8))
+            loss = model.loss(tokens, tokens)
+            g = model.layers[0]._fsdp_state().group
+            assert g.sharded_state is ShardedState.SHARDED_POST_FORWARD
+            assert g._kept[0].numel() == g.buffers[0].layout.total // 2
+            assert g.post_forward_comm.world_size == 2
+            loss.backward()
+            assert g.sharded_state is ShardedState.SHARDED and not g._kept
 
 
 def case_root_only(rank, world):

@@ -103,6 +103,8 @@ def fully_shard(
             granularity_fn, raf,
         )
         state.group = group
+        if not isinstance(raf, bool):
+            group.post_forward_comm = _node_comm(mesh, raf)
         for _, p, _ in params:
             _managed_params[id(p)] = weakref.ref(p)
         _register_state_dict_hooks(group)
@@ -171,6 +173,24 @@ def _reshard_after_forward(value, W: int) -> bool | int:
             )
         return value
     raise TypeError(f"fully_shard: reshard_after_forward must be bool or int, got {type(value).__name__}")
+
+
+_node_comms: dict[tuple, Comm] = {}
+
+
+def _node_comm(mesh: DeviceMesh, k: int) -> Comm:
+    """The process group of this rank's 'node' (k consecutive mesh ranks) for
+    reshard_after_forward=k. Every rank creates every node group, in the same order."""
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    key = (tuple(ranks), k)
+    if key not in _node_comms:
+        mine = None
+        for start in range(0, len(ranks), k):
+            g = dist.new_group(ranks[start:start + k])
+            if dist.get_rank() in ranks[start:start + k]:
+                mine = g
+        _node_comms[key] = Comm.of(mine)
+    return _node_comms[key]
 
 
 def _collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]]:

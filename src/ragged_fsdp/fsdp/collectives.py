@@ -67,9 +67,11 @@ class Comm:
         return "gloo" in self.backend and "nccl" not in self.backend
 
 
-def all_gather(device: Device, comm: Comm, buf: DBuffer, lane: str = "all_gather") -> Pending | None:
-    """Fill ``buf``'s unsharded buffer from every rank's segment. Returns None when there is
-    nothing to gather (the unsharded buffer is the sharded segment)."""
+def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,
+               lane: str = "all_gather") -> Pending | None:
+    """Fill ``buf``'s unsharded buffer from every rank's segment (or, with ``inp``, from
+    equal contiguous parts the ranks of ``comm`` kept). Returns None when there is nothing
+    to gather (the unsharded buffer is the sharded segment)."""
     if buf.aliased:
         return None
     out = buf.alloc_unsharded()  # allocated in the compute stream's order
@@ -80,15 +82,15 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, lane: str = "all_gather
 
     def issue(async_op: bool):
         with torch.autograd._unsafe_preserve_version_counter(out):
-            inp = buf.gather_input()
+            src = buf.gather_input() if inp is None else inp
             if comm.world_size == 1:
                 return None
-            return _all_gather_single(out, inp, group=comm.group, async_op=async_op)
+            return _all_gather_single(out, src, group=comm.group, async_op=async_op)
 
     def restore_version():
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded))
+    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp))
 
 
 def reduce_scatter(

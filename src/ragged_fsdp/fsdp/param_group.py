@@ -46,6 +46,9 @@ __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
 class ShardedState(enum.Enum):
     SHARDED = "sharded"
     UNSHARDED = "unsharded"
+    # reshard_after_forward=k: each rank keeps 1/k of the unsharded buffer after forward;
+    # the backward all-gather runs within the k ranks of its node
+    SHARDED_POST_FORWARD = "sharded_post_forward"
 
 
 class TrainingState(enum.Enum):
@@ -120,6 +123,8 @@ class ParamGroup:
         self.training_state = TrainingState.IDLE
         self.ctx = None  # the root's shared context (set at lazy init)
         self._gathering: list[Pending] | None = None
+        self.post_forward_comm: Comm | None = None  # for reshard_after_forward=int
+        self._kept: list[torch.Tensor | None] = []  # per buffer: the part kept after forward
         self._last_grad_seg: list[weakref.ref | None] = []
         self.step = _Step()
         self.buffers: list[DBuffer] = []
@@ -200,7 +205,11 @@ class ParamGroup:
         if self.training_state is TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
             return
         self.check_materialized()
-        pend = [all_gather(self.dev, self.comm, buf) for buf in self.buffers]
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            pend = [all_gather(self.dev, self.post_forward_comm, buf, inp=kept)
+                    for buf, kept in zip(self.buffers, self._kept)]
+        else:
+            pend = [all_gather(self.dev, self.comm, buf) for buf in self.buffers]
         self._gathering = [p for p in pend if p is not None]
 
     def wait_for_unshard(self) -> None:
@@ -214,18 +223,40 @@ class ParamGroup:
             for info in self.infos:
                 info.register(self._unsharded_param(info))
             self.sharded_state = ShardedState.UNSHARDED
+            self._kept = []
 
     def reshard(self) -> None:
         if self._gathering is not None:  # never free memory a collective still writes
             for p in self._gathering:
                 p.wait()
             self._gathering = None
-        if self.is_unsharded:
+            if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                self.sharded_state = ShardedState.UNSHARDED  # the gathered data is there
+        if self.sharded_state is not ShardedState.SHARDED:
             for info in self.infos:
                 info.register(info.sharded)
             self.sharded_state = ShardedState.SHARDED
+        self._kept = []
         for buf in self.buffers:
             buf.free_unsharded()
+
+    def reshard_post_forward(self) -> None:
+        """Keep this rank's 1/k part of each unsharded buffer (k = reshard_after_forward),
+        free the rest; the next unshard gathers within the node."""
+        if self.post_forward_comm is None:
+            return self.reshard()
+        if not self.is_unsharded:
+            self.wait_for_unshard()
+        k, j = self.post_forward_comm.world_size, self.post_forward_comm.rank
+        kept = []
+        for buf in self.buffers:
+            part = buf.layout.total // k
+            kept.append(buf.unsharded.narrow(0, j * part, part).clone())
+            buf.free_unsharded()
+        for info in self.infos:
+            info.register(info.sharded)
+        self._kept = kept
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     # -- forward -------------------------------------------------------------------------
     def pre_forward(self, args: tuple, kwargs: dict, first_module: bool) -> tuple[tuple, dict]:
@@ -242,8 +273,11 @@ class ParamGroup:
         return args, kwargs
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward is not False:
-            self.reshard()
+        raf = self.reshard_after_forward
+        if raf is True or (raf is not False and not torch.is_grad_enabled()):
+            self.reshard()  # (no backward follows a no-grad forward: keep nothing)
+        elif raf is not False:
+            self.reshard_post_forward()
         if torch.is_grad_enabled():
             order = self.ctx.post_forward_order
             self.step.post_forward_indices.append(len(order))

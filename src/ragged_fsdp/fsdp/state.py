@@ -29,7 +29,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .hooks import grad_tensors, in_backward
-from .param_group import ParamGroup, TrainingState
+from .param_group import ParamGroup, ShardedState, TrainingState
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -229,7 +229,7 @@ class FSDPState:
                     continue
                 if g.step.ran_forward and g.training_state is not TrainingState.POST_BACKWARD:
                     g.post_backward()
-                elif g.reshard_after_backward and (g.is_unsharded or g._gathering is not None):
+                elif g.reshard_after_backward and (g.sharded_state is not ShardedState.SHARDED or g._gathering is not None):
                     g.reshard()
             ctx.retire_reductions(keep=0)
             self._hand_out_grads(states)
@@ -252,7 +252,8 @@ class FSDPState:
             by_pg.setdefault(id(g.comm.group), []).append((g, r))
         for items in by_pg.values():
             comm = items[0][0].comm
-            flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32)
+            device = items[0][0].device if items[0][0].device.type != "meta" else None
+            flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32, device=device)
             if comm.world_size > 1 and flags.numel():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
             got = flags.tolist()
