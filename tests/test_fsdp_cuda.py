@@ -1,0 +1,78 @@
+"""The CUDA / NCCL side of the device seam (side streams, events): one GPU, W = 1.
+
+Skipped without CUDA. With one rank the all-gather and reduce-scatter are local, but the
+stream/event plumbing (cast on the all-gather stream, reduction on its own stream, waits
+on the compute stream) runs exactly as at larger W.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    yield
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_cuda_training_matches_single_device(nccl, mixed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp.fsdp import fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig.tiny()).cuda()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    assert model.output.weight.device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens = torch.randint(0, 96, (2, 17), generator=g).cuda()
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mixed:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                ref_loss = ref.loss(tokens[:, :-1], tokens[:, 1:])
+        else:
+            ref_loss = ref.loss(tokens[:, :-1], tokens[:, 1:])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        tol = 5e-2 if mixed else 1e-5
+        assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    torch.cuda.synchronize()
+    named = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        atol = 5e-2 if mixed else 5e-4
+        torch.testing.assert_close(p.full_tensor(), named[name].detach(), rtol=0, atol=atol, msg=name)
