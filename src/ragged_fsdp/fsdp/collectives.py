@@ -142,12 +142,19 @@ def reduce_scatter(
             return _Both(w1, w2)
 
         def post():
-            total = torch.sum(received.view(W - 1, S), dim=0, dtype=target.dtype)
+            pieces = received.view(W - 1, S)
+            if not accumulate and target.dtype == grad.dtype:
+                # straight into the sharded gradient segment: sum, add own piece, scale
+                if W == 2:
+                    torch.add(own, received, out=target)
+                else:
+                    torch.sum(pieces, dim=0, out=target)
+                    target.add_(own)
+                target.mul_(1.0 / factor)
+                return
+            total = torch.sum(pieces, dim=0, dtype=target.dtype)
             total.add_(own)
-            if not accumulate and divide_factor is None:
-                torch.mul(total, 1.0 / factor, out=target) if total.dtype == target.dtype else target.copy_(total.mul_(1.0 / factor))
-            else:
-                finish(total, False)
+            finish(total, False)
 
         return device.launch(lane, issue, post=post, keep=(grad, received, target))
 
