@@ -188,6 +188,24 @@ def case_explicit_prefetch(rank, world):
     compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(n_layers=3)), wrap, steps=3)
 
 
+def case_implicit_prefetch(rank, world):
+    """From the second step on, a block's forward starts the next block's all-gather, and a
+    block's backward starts the previous block's."""
+    model = _wrapped(cpu_mesh(world), LlamaConfig.tiny(n_layers=3))
+    seen = {}
+
+    def gathering(i):
+        g = model.layers[i]._fsdp_state().group
+        return g._gathering is not None or g.is_unsharded
+
+    model.layers[0].register_forward_hook(lambda *a: seen.__setitem__("fwd", gathering(1)))
+    model.layers[2].register_full_backward_hook(lambda *a: seen.__setitem__("bwd", gathering(1)))
+    for step in range(2):
+        seen.clear()
+        _step(model, rank, world, step)
+    assert seen == {"fwd": True, "bwd": True}, seen
+
+
 def case_no_sync_keep_unsharded(rank, world):
     """Accumulation without sync and without resharding after backward (torch's recipe)."""
     compare_training(rank, world, lambda: Llama(LlamaConfig.tiny()), _wrap_blocks, micro=3, steps=2,
@@ -274,6 +292,7 @@ CASES = [
     case_to_and_to_empty_keep_views,
     case_load_state_dict_assign,
     case_explicit_prefetch,
+    case_implicit_prefetch,
     case_no_sync_keep_unsharded,
     case_ignored_params,
     case_set_is_last_backward_and_flags,
