@@ -60,6 +60,19 @@ def case_reshard_variants(rank, world):
             assert g.sharded_state is ShardedState.SHARDED and not g._kept
 
 
+def case_list_group_tied(rank, world):
+    """Tied embedding and head grouped with fully_shard([embedding, head]) under the root."""
+    def wrap(model, mesh):
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard([model.tok_embeddings, model.output], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert model._fsdp_state().group is not None  # the root keeps the final norm
+        return model
+
+    compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(tie_embeddings=True)), wrap, steps=3)
+
+
 def case_root_only(rank, world):
     """One group for the whole model (no per-block wrapping)."""
     compare_training(rank, world, lambda: Llama(LlamaConfig.tiny()),
@@ -190,6 +203,7 @@ CASES = [
     case_llama_tied,
     case_reshard_variants,
     case_root_only,
+    case_list_group_tied,
     case_grad_accum_no_sync,
     case_grad_accum_sync,
     case_activation_checkpointing,

@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
+from ragged_fsdp.dbuffer.planning import parse_granularity
 
 from .collectives import Comm, all_gather, reduce_scatter
 from .device import Device, Pending
@@ -138,11 +139,19 @@ class ParamGroup:
             kinds.setdefault((p.dtype, p.requires_grad), []).append(i)
         W, rank = self.comm.world_size, self.comm.rank
         for (dtype, trainable), idx in kinds.items():
-            tensors = []
+            tensors, keys = [], set()
             for j, i in enumerate(idx):
                 name, p, _ = params[i]
-                spec = granularity_fn(name, p) if granularity_fn is not None else None
-                tensors.append((f"{j}:{name}", tuple(p.shape), spec))
+                spec = None
+                if granularity_fn is not None:
+                    raw = granularity_fn(name, p)
+                    try:
+                        spec = parse_granularity(raw)
+                    except ValueError as e:
+                        raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+                key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
+                keys.add(key)
+                tensors.append((key, tuple(p.shape), spec))
             try:
                 layout = plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
             except (ValueError, NotImplementedError) as e:
