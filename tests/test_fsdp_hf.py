@@ -8,8 +8,6 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-
 from _dist import compare_training, run_cases  # noqa: E402
 
 from ragged_fsdp.fsdp import fully_shard  # noqa: E402

@@ -32,9 +32,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
+from ragged_fsdp.placement import RaggedDTensor
+from ragged_fsdp.placement.dtensor import element_ranges
 
 from .collectives import Comm, all_gather, reduce_scatter
 from .device import Device, Pending
@@ -472,3 +475,32 @@ class ParamGroup:
                     buf.copy_local_(info.slot, src.to(device=buf.device, dtype=buf.dtype))
                 repoint(info.sharded, buf.sharded_view(info.slot))
                 info.register(info.sharded)
+
+    def adopt_registered(self) -> None:
+        """After ``load_state_dict(assign=True)`` replaced registered parameters: copy their
+        data into the DBuffer and point the sharded parameters back into it."""
+        self.reshard()
+        changed = False
+        new_locals: list[torch.Tensor | None] = []
+        for info in self.infos:
+            mod, name = info.owners[0]
+            cur = mod._parameters.get(name)
+            if cur is None or cur is info.sharded:
+                new_locals.append(None)
+                continue
+            changed = True
+            buf = self.buffers[info.buffer]
+            slot = buf.slots[info.slot]
+            if isinstance(cur, RaggedDTensor) and element_ranges(cur._spec) == element_ranges(info.sharded._spec):
+                local = cur._local_tensor
+            else:
+                full = cur.full_tensor() if isinstance(cur, DTensor) else cur
+                if tuple(full.shape) != slot.shape:
+                    raise ValueError(f"load_state_dict: {info.fqn} has shape {tuple(full.shape)}, expected {slot.shape}")
+                a, b = slot.placement.element_range(slot.shape, buf.rank)
+                local = full.detach().reshape(-1)[a:b]
+            if cur.requires_grad != info.sharded.requires_grad:
+                info.sharded.requires_grad_(cur.requires_grad)
+            new_locals.append(local.detach())
+        if changed:
+            self.adopt_locals(new_locals)
