@@ -71,26 +71,30 @@ def shard(model: torch.nn.Module, framework: str, mesh, granularity_fn=None) -> 
 
 def build_optimizer(name: str, model: torch.nn.Module, lr: float):
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True), None
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
     from . import optim as ropt
 
     if name == "adamw8bit":
-        return ropt.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95)), ropt.AdamW8bit.granularity
+        return ropt.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
     if name == "muon":
         groups = ropt.muon_param_groups(
             model, muon={"lr": lr, "adjust_lr_fn": "match_rms_adamw"},
             adamw={"lr": lr, "betas": (0.9, 0.95)},
         )
-        return ropt.Muon(groups, lr=lr, weight_decay=0.1), ropt.Muon.granularity
+        return ropt.Muon(groups, lr=lr, weight_decay=0.1)
     raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
 
 
-def granularity_for(name: str):
+def granularity_for(name: str, model: torch.nn.Module):
+    """What the optimizer needs kept whole; built from the unwrapped model."""
     if name == "adamw":
         return None
     from . import optim as ropt
 
-    return {"adamw8bit": ropt.AdamW8bit.granularity, "muon": ropt.Muon.granularity}[name]
+    if name == "adamw8bit":
+        return ropt.AdamW8bit.granularity
+    # Muon's hidden matrices whole; embeddings, head and norms (plain AdamW) unconstrained.
+    return ropt.combined_granularity(model, other=lambda name, param: None)
 
 
 def _rss_mib() -> float:
@@ -100,8 +104,10 @@ def _rss_mib() -> float:
 
 def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = shard(build_model(cfg), framework, mesh, granularity_for(cfg.optimizer))
-    opt, _ = build_optimizer(cfg.optimizer, model, cfg.lr)
+    model = build_model(cfg)
+    granularity = granularity_for(cfg.optimizer, model) if framework == "ragged_fsdp" else None
+    model = shard(model, framework, mesh, granularity)
+    opt = build_optimizer(cfg.optimizer, model, cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     losses, times = [], []
