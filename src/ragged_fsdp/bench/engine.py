@@ -35,7 +35,7 @@ class BenchConfig:
     world: int = 2
     rounds: int = 7
     steps: int = 3
-    models: tuple[str, ...] = ("dense", "moe")
+    models: tuple[str, ...] = ("dense", "moe", "dense-wide")
     batch: int = 4
     seq_len: int = 128
     profile: bool = False
@@ -49,6 +49,13 @@ def build(kind: str, seq_len: int) -> torch.nn.Module:
 
         return Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                                  ffn_hidden=704, max_seq_len=seq_len))
+    if kind == "dense-wide":
+        # Parameters and gradients dominate (as with activation checkpointing at scale):
+        # this is where what the framework does with parameter memory shows.
+        from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                                 ffn_hidden=1408, max_seq_len=seq_len))
     if kind == "moe":
         # Fused 3-D experts: with separate expert modules, an expert that gets no token on
         # one rank has no gradient there, and FSDP2 then reduce-scatters a different set
@@ -102,8 +109,9 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
     report = {}
     for kind in cfg.models:
         g = torch.Generator().manual_seed(1000 + rank)
-        x = torch.randint(0, 2048, (cfg.batch, cfg.seq_len), generator=g)
-        y = torch.randint(0, 2048, (cfg.batch, cfg.seq_len), generator=g)
+        batch, seq = (1, 32) if kind == "dense-wide" else (cfg.batch, cfg.seq_len)
+        x = torch.randint(0, 2048, (batch, seq), generator=g)
+        y = torch.randint(0, 2048, (batch, seq), generator=g)
         runs = {}
         for v in VARIANTS:
             model = wrap(build(kind, cfg.seq_len), v, mesh)

@@ -1,4 +1,9 @@
-"""Model shapes for planning and simulation at full scale."""
+"""Reference models (trainable, small) and public model shapes (for planning at full scale)."""
 from .catalog import Group, ModelShapes, Tensor, get_model, group_specs, list_models, model_specs
+from .llama import Llama, LlamaConfig
+from .moe import FusedExperts, MoE, MoEConfig, MoELayer
 
-__all__ = ["Group", "ModelShapes", "Tensor", "get_model", "group_specs", "list_models", "model_specs"]
+__all__ = [
+    "Llama", "LlamaConfig", "MoE", "MoEConfig", "MoELayer", "FusedExperts",
+    "Group", "ModelShapes", "Tensor", "get_model", "group_specs", "list_models", "model_specs",
+]
