@@ -49,6 +49,15 @@ def _worker(rank, world, port, cases, queue):
     dist.destroy_process_group()
 
 
+def check_case(results: dict[str, str | None], case, world: int | None = None) -> None:
+    """Fail the calling pytest test with the ranks' tracebacks if ``case`` failed."""
+    import pytest
+
+    err = results[f"{case.__module__}.{case.__name__}"]
+    if err:
+        pytest.fail(f"W={world}:\n{err}" if world is not None else err, pytrace=False)
+
+
 def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     """Run ``cases`` on ``world`` ranks; map each case name to None (passed) or the errors."""
     ctx = mp.get_context("spawn")

@@ -8,7 +8,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from _dist import compare_training, run_cases  # noqa: E402
+from _dist import check_case, compare_training, run_cases  # noqa: E402
 
 from ragged_fsdp.fsdp import fully_shard  # noqa: E402
 
@@ -63,5 +63,4 @@ def results(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
 def test_hf_model_matches_single_process(results, case):
-    err = results[f"{case.__module__}.{case.__name__}"]
-    assert err is None, err
+    check_case(results, case)

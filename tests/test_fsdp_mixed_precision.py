@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from _dist import cpu_mesh, full, global_batch, run_cases
+from _dist import check_case, cpu_mesh, full, global_batch, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
 from ragged_fsdp.models.llama import Llama, LlamaConfig
@@ -102,5 +102,4 @@ def results(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
 def test_mixed_precision_matches_fsdp2(results, case):
-    err = results[f"{case.__module__}.{case.__name__}"]
-    assert err is None, err
+    check_case(results, case)

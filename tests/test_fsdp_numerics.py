@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from _dist import compare_training, run_cases
+from _dist import check_case, compare_training, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
 from ragged_fsdp.models.llama import Llama, LlamaConfig
@@ -223,5 +223,4 @@ def results(request):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
 def test_training_matches_single_process(results, case):
-    err = results[f"{case.__module__}.{case.__name__}"]
-    assert err is None, err
+    check_case(results, case)

@@ -2,7 +2,6 @@
 
 The distributed proofs (bitwise at W = 1..4, fully_shard models) are in test_optim_dist.py.
 """
-import math
 
 import pytest
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 from ragged_fsdp.optim import (
-    AdamW8bit, Muon, adamw8bit_granularity, combined_granularity, muon_granularity,
+    AdamW8bit, Muon, combined_granularity, muon_granularity,
     muon_param_groups, newton_schulz, newton_schulz_flops, split_params, state_bytes,
 )
 

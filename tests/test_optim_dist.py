@@ -16,7 +16,7 @@ import ragged_fsdp as rf
 from ragged_fsdp import RaggedShard
 from ragged_fsdp.optim import AdamW8bit, Muon
 
-from _dist import run_cases
+from _dist import check_case, run_cases
 
 
 def _cuts(units, world, seed):
@@ -536,6 +536,4 @@ def results(request):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_optim_dist(results, case):
     world, res = results
-    err = res[f"{case.__module__}.{case.__name__}"]
-    if err:
-        pytest.fail(f"W={world}:\n{err}", pytrace=False)
+    check_case(res, case, world)

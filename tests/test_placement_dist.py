@@ -7,14 +7,13 @@ too. Norms sum per-rank partial sums in another order than one device does, so
 """
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 import ragged_fsdp as rf
 from ragged_fsdp import RaggedShard
 
-from _dist import run_cases
+from _dist import check_case, run_cases
 
 
 def _cuts(units, world, seed):
@@ -285,6 +284,4 @@ def results(request):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_placement_dist(results, case):
     world, res = results
-    err = res[f"{case.__module__}.{case.__name__}"]
-    if err:
-        pytest.fail(f"W={world}:\n{err}", pytrace=False)
+    check_case(res, case, world)
