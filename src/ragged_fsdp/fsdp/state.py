@@ -29,15 +29,10 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .hooks import grad_tensors, in_backward
-from .param_group import ParamGroup, ShardedState, TrainingState
+from .param_group import ParamGroup, TrainingState
+from .saved import eager as _eager
 
 __all__ = ["FSDPState", "RootContext"]
-
-
-def _eager(fn):
-    """``fn`` never traced by torch.compile (a graph break where it is called)."""
-    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
-    return disable(fn, recursive=True) if disable is not None else fn
 
 
 class RootContext:
