@@ -42,6 +42,7 @@ from ragged_fsdp.placement.dtensor import element_ranges
 from .collectives import Comm, all_gather, reduce_scatter
 from .device import Device, Pending
 from .hooks import attach_post_backward
+from .quant_gather import attach_quant, fp8_granularity, quant_all_gather
 from .sharded_param import local_of, make_sharded_grad, make_sharded_param, repoint
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
@@ -110,6 +111,7 @@ class ParamGroup:
         mp_policy,
         granularity_fn: Callable[[str, nn.Parameter], Any] | None,
         reshard_after_forward: bool | int,
+        all_gather_quant=None,
     ):
         self.modules = modules
         self.mesh = mesh
@@ -133,15 +135,18 @@ class ParamGroup:
         self.step = _Step()
         self.buffers: list[DBuffer] = []
         self.infos: list[ParamInfo] = []
+        self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self._build(params, granularity_fn)
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, params, granularity_fn) -> None:
-        kinds: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, (_, p, _) in enumerate(params):
-            kinds.setdefault((p.dtype, p.requires_grad), []).append(i)
+        kinds: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
+        quant = self.all_gather_quant
+        for i, (name, p, _) in enumerate(params):
+            fp8 = quant is not None and quant.applies(name, p)  # fp8-gathered tensors: own buffer
+            kinds.setdefault((p.dtype, p.requires_grad, fp8), []).append(i)
         W, rank = self.comm.world_size, self.comm.rank
-        for (dtype, trainable), idx in kinds.items():
+        for (dtype, trainable, fp8), idx in kinds.items():
             tensors, keys = [], set()
             for j, i in enumerate(idx):
                 name, p, _ = params[i]
@@ -152,6 +157,8 @@ class ParamGroup:
                         spec = parse_granularity(raw)
                     except ValueError as e:
                         raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+                if fp8:
+                    spec = fp8_granularity(quant, name, p.shape, spec)
                 key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
                 keys.add(key)
                 tensors.append((key, tuple(p.shape), spec))
@@ -161,6 +168,8 @@ class ParamGroup:
                 raise ValueError(f"fully_shard: cannot lay out the parameters of {self._describe()}: {e}") from e
             compute, reduce_ = self._mp_dtypes(dtype)
             buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
+            if fp8:
+                attach_quant(buf, quant)
             b = len(self.buffers)
             self.buffers.append(buf)
             self._last_grad_seg.append(None)
@@ -221,7 +230,7 @@ class ParamGroup:
             pend = [all_gather(self.dev, self.post_forward_comm, buf, inp=kept)
                     for buf, kept in zip(self.buffers, self._kept)]
         else:
-            pend = [all_gather(self.dev, self.comm, buf) for buf in self.buffers]
+            pend = [(quant_all_gather if buf.quant else all_gather)(self.dev, self.comm, buf) for buf in self.buffers]
         self._gathering = [p for p in pend if p is not None]
 
     def wait_for_unshard(self) -> None:
