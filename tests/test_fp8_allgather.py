@@ -250,6 +250,11 @@ def case_gathered_weights_bitwise(rank, world):
             q.copy_(_expected(n, p))
     t, _ = global_batch(0, 2, 8, 50)
     assert torch.equal(model(t), ref_q(t))
+    if world == 4:  # reshard_after_forward=2: backward re-gathers the kept bf16 within pairs
+        m2 = _wrap(_build(), mesh, reshard_after_forward=2)
+        m2(t).sum()  # forward with grad: each rank keeps its half of every gathered buffer
+        assert all(b._fsdp_state().group.sharded_state.name == "SHARDED_POST_FORWARD" for b in m2.blocks)
+        _check_gathered(m2, {n: p.detach() for n, p in ref.named_parameters()})
 
 
 def case_training_matches_reference(rank, world):
