@@ -156,6 +156,7 @@ def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches, heldout:
            "peak_tracked_bytes": peak}
     if heldout is not None:
         out["heldout_loss"] = _heldout_loss(model, heldout, rank, world)
+        out["heldout_loss_bf16_masters"] = _heldout_loss_plain(cfg, model, heldout)
     return out
 
 
@@ -169,6 +170,24 @@ def _heldout_loss(model, batches: Batches, rank: int, world: int, n: int = 8) ->
         total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
     dist.all_reduce(total, op=dist.ReduceOp.AVG)
     return total.item() / n
+
+
+@torch.no_grad()
+def _heldout_loss_plain(cfg: TrainConfig, model, batches: Batches, n: int = 8) -> float:
+    """The same held-out loss from the trained (full-precision) weights copied into a plain
+    bf16 model, the same way for every framework: what training produced, apart from how
+    the weights are gathered for compute."""
+    from torch.distributed.tensor import DTensor
+
+    plain = build_model(cfg).to(torch.bfloat16)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.named_parameters()}
+    for k, p in plain.named_parameters():
+        p.copy_(full[k])
+    total = 0.0
+    for i in range(n):
+        x, y = batches.global_batch_at(i)
+        total += F.cross_entropy(plain(x).float().reshape(-1, VOCAB_SIZE), y.reshape(-1)).item()
+    return total / n
 
 
 def _peak_tracked_bytes(step_fn, model, opt) -> int:
@@ -193,9 +212,10 @@ def report(cfg: TrainConfig, results: list[dict]) -> None:
             r["framework"], f"{r['step_s_median'] * 1e3:.1f}", f"{r['step_s_median'] / base['step_s_median']:.2f}",
             f"{r['peak_tracked_bytes'] / 2**20:.1f}", f"{r['peak_tracked_bytes'] / base['peak_tracked_bytes']:.2f}",
             f"{r['losses'][0]:.3f}", f"{r['losses'][-1]:.3f}",
-        ) + ((f"{r['heldout_loss']:.4f}",) if "heldout_loss" in r else ()))
+        ) + ((f"{r['heldout_loss']:.4f}", f"{r['heldout_loss_bf16_masters']:.4f}") if "heldout_loss" in r else ()))
     head = ("framework", "median step ms", f"vs {base['framework']}", "peak tracked MiB",
-            f"vs {base['framework']}", "first loss", "last loss") + (("held-out loss",) if cfg.heldout else ())
+            f"vs {base['framework']}", "first loss", "last loss") + (
+                ("held-out loss", "held-out, masters in bf16") if cfg.heldout else ())
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     print()

@@ -36,7 +36,8 @@ from ..planner.suggest import merge_groups, suggest
 from ..quant import BlockFP8, per_tensor_quantize_dequantize, quantize_dequantize
 
 Groups = list[tuple[str, list[tuple[str, tuple[int, ...]]]]]
-MASTER_ITEMSIZE = 4  # the engine plans with the parameters' (fp32 master) dtype
+MASTER_ITEMSIZE = 4
+PADDING_OK = 0.05  # the bench looks for the largest HSDP shard group padding at most this  # the engine plans with the parameters' (fp32 master) dtype
 
 
 def catalog_groups(model_id: str) -> Groups:
@@ -112,20 +113,36 @@ def cell(groups: Groups, world: int, policy: BlockFP8, want_suggest: bool = True
     f8 = fp8_bytes(q, rest, world, policy)
     out = {"world": world, "params": base.used, "base_padding": base.padding_ratio, "fp32": fp32, "bf16": bf16,
            "fp8": f8, "fp8_vs_bf16": f8["total"] / bf16}
+    if want_suggest and f8["fp8_padding"] > PADDING_OK:
+        # the largest shard group (halving W) whose fp8 buffers pad at most PADDING_OK
+        d = world // 2
+        while d >= 1:
+            f = fp8_bytes(q, rest, d, policy)
+            if f["fp8_padding"] <= PADDING_OK:
+                ref, _ = _gathered(plain, d, 2)
+                out["hsdp_needed"] = {"shard": d, "replicas": world // d, "fp8": f, "fp8_vs_bf16": f["total"] / ref}
+                break
+            d //= 2
     if want_suggest and f8["fp8_padding"] > 0.01:
+        # the best way out of each kind that `plan --suggest` lists for the fp8 buffers
         sug = suggest([(n, s) for n, s in q if s], world)
-        if sug:
-            s = sug[0]
+        out["suggestions"] = []
+        for kind in ("merge", "hsdp"):
+            s = next((x for x in sug if x.kind == kind), None)
+            if s is None:
+                continue
             if s.kind == "hsdp":
                 f = fp8_bytes(q, rest, s.value, policy)
-                plain_d, _ = _gathered(plain, s.value, 2)
+                ref, _ = _gathered(plain, s.value, 2)
             else:
                 f = fp8_bytes(merge_groups(q, s.value), merge_groups(rest, s.value), world, policy)
-                plain_d = bf16
-            out["suggestion"] = {"describe": s.describe(), "kind": s.kind, "value": s.value, "fp8": f,
-                                 "fp8_vs_bf16": f["total"] / plain_d if plain_d else 0.0}
-        else:
-            out["suggestion"] = None
+                ref = bf16
+            out["suggestions"].append({
+                "describe": s.describe(), "kind": s.kind, "value": s.value, "fp8": f,
+                "fp8_vs_bf16": f["total"] / ref if ref else 0.0,
+                # what it costs: hsdp holds more per rank; merge gathers more at once
+                "params_per_rank_fp32": s.bytes_per_rank, "largest_gather_codes": s.gathered_bytes // MASTER_ITEMSIZE,
+            })
     return out
 
 
@@ -195,17 +212,23 @@ def _pct(x: float) -> str:
 
 
 def print_bytes(rows: list[dict], file=sys.stdout) -> None:
-    print("| model | W | fp32 GiB/step | bf16 GiB/step | fp8 GiB/step (codes + scales + bf16 rest) | fp8 tile padding | fp8 / bf16 | way out (`plan --suggest`) | its fp8 padding | its fp8 / bf16 |", file=file)
-    print("|---|---|---|---|---|---|---|---|---|---|", file=file)
+    print("| model | W | fp32 GiB/step | bf16 GiB/step | fp8 GiB/step (codes + scales + bf16 rest) | fp8 tile padding | fp8 / bf16 | "
+          "largest HSDP shard group with fp8 padding <= 5%: fp8 / bf16 | "
+          "way out (`plan --suggest`): fp8 padding, fp8 / bf16, cost |", file=file)
+    print("|---|---|---|---|---|---|---|---|---|", file=file)
     for r in rows:
         f = r["fp8"]
-        s = r.get("suggestion")
-        way = ("-" if "suggestion" not in r else "none found" if s is None else s["describe"])
-        sp = _pct(s["fp8"]["fp8_padding"]) if s else "-"
-        sr = f"{s['fp8_vs_bf16']:.2f}" if s else "-"
+        ways = []
+        for s in r.get("suggestions", []):
+            cost = (f"largest fp8 gather {_gib(s['largest_gather_codes'])} GiB" if s["kind"] == "merge"
+                    else f"fp32 params/rank {_gib(s['params_per_rank_fp32'])} GiB")
+            ways.append(f"{s['describe']}: {_pct(s['fp8']['fp8_padding'])}, {s['fp8_vs_bf16']:.2f}, {cost}")
+        way = "; ".join(ways) if ways else ("none found" if "suggestions" in r else "-")
+        h = r.get("hsdp_needed")
+        hs = f"{h['shard']} ranks x {h['replicas']}: {h['fp8_vs_bf16']:.2f}" if h else "-"
         print(f"| {r['model']} | {r['world']} | {_gib(2 * r['fp32'])} | {_gib(2 * r['bf16'])} | "
               f"{_gib(2 * f['total'])} ({_gib(2 * f['codes'])} + {_gib(2 * f['scales'])} + {_gib(2 * f['rest_bf16'])}) | "
-              f"{_pct(f['fp8_padding'])} | {r['fp8_vs_bf16']:.2f} | {way} | {sp} | {sr} |", file=file)
+              f"{_pct(f['fp8_padding'])} | {r['fp8_vs_bf16']:.2f} | {hs} | {way} |", file=file)
 
 
 def print_errors(name: str, e: dict, file=sys.stdout) -> None:
