@@ -255,11 +255,13 @@ def parse(argv=None) -> TrainConfig:
                         "ragged_fsdp:fp8 (bf16 compute, block-fp8 all-gather)")
     p.add_argument("--heldout", type=float, default=d.heldout,
                    help="fraction of the tokens held out of training; report the loss on them (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed (default 0)")
     a = p.parse_args(argv)
     if not 0 <= a.heldout < 1:
         p.error(f"--heldout {a.heldout}: expected a fraction in [0, 1)")
     return TrainConfig(steps=a.steps, data=a.data, optimizer=a.optimizer, out=a.out,
-                       frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout)
+                       frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout,
+                       seed=a.seed)
 
 
 def main(argv=None) -> None:

@@ -242,8 +242,11 @@ def main(argv=None) -> int:
     p.add_argument("--world", default="64,1024,16384")
     p.add_argument("--no-suggest", action="store_true")
     p.add_argument("--json", default=None, help="also write the numbers to this file")
+    p.add_argument("--tile", default="128x128", help="tile rows x cols (default 128x128)")
+    p.add_argument("--no-errors", action="store_true", help="skip the quantisation error table")
     a = p.parse_args(argv)
-    policy = BlockFP8()
+    tr, _, tc = a.tile.partition("x")
+    policy = BlockFP8(tile=(int(tr), int(tc)))
     rows = []
     # the demo model (W = 2, what the gloo step time below measures), then the catalog
     from ..train import TrainConfig, build_model
@@ -259,12 +262,14 @@ def main(argv=None) -> int:
             r["model"] = m
             rows.append(r)
             print(f"planned {m} W={w}", file=sys.stderr, flush=True)
-    print("All-gather bytes per step (2 gathers per group), BlockFP8(tile=(128, 128)):\n")
+    print(f"All-gather bytes per step (2 gathers per group), {policy}:\n")
     print_bytes(rows)
+    if a.no_errors:
+        return 0
     errs = {"demo model at init (Gaussian, std 0.02)": error_table(demo_weights(), policy),
             "synthetic heavy-tailed 2048x2048 x4 (Student-t 3 dof, log-normal channel scales)":
                 error_table(heavy_tailed_weights(), policy)}
-    print("\nRelative error per 128x128 tile, ||dequant - w|| / ||w|| (e4m3):\n")
+    print(f"\nRelative error per {policy.tile[0]}x{policy.tile[1]} tile, ||dequant - w|| / ||w|| (e4m3):\n")
     print("| weights | tiles | per-tile scale: median | per-tile: max | per-tensor scale: median | per-tensor: max |")
     print("|---|---|---|---|---|---|")
     for k, e in errs.items():
