@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from _dist import check_case, cpu_mesh, full, global_batch, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
+from ragged_fsdp.fsdp.device import _in_flight, drain
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 
 
@@ -65,7 +66,8 @@ def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_
         step_fn(ref, tokens, targets, False)
         lo = rank * batch_per_rank
         step_fn(model, tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank], True)
-        named = dict(model.named_parameters())
+        assert not list(_in_flight), f"step {step}: collectives still in flight after backward"
+        named = {k.replace("_orig_mod.", ""): v for k, v in model.named_parameters()}
         for name, q in ref.named_parameters():
             p = named[name]
             assert (p.grad is None) == (q.grad is None), f"step {step}: {name}.grad None mismatch"
@@ -78,7 +80,7 @@ def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    named = dict(model.named_parameters())
+    named = {k.replace("_orig_mod.", ""): v for k, v in model.named_parameters()}
     for name, q in ref.named_parameters():
         err = (full(named[name]).detach() - q.detach()).abs().max().item()
         assert err <= param_atol, f"{name}: max |param - reference| = {err:.2e}"
@@ -86,7 +88,7 @@ def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_
 
 
 def _tiny(**kw):
-    return LlamaConfig.tiny(n_layers=2, **kw)
+    return LlamaConfig.tiny(**{"n_layers": 2, **kw})
 
 
 # -- several backward passes per step -------------------------------------------------------
@@ -189,6 +191,91 @@ def case_no_sync_then_sync_multi_backward(rank, world):
     compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step)
 
 
+# -- torch.compile of a wrapped model ----------------------------------------------------------
+def _plain_step(m, t, y, distributed):
+    _ce(m(t), y).backward()
+
+
+def _compiled(backend, whole=True):
+    def wrap(model, mesh):
+        model = _wrap_blocks(model, mesh)
+        if whole:
+            return torch.compile(model, backend=backend)
+        for block in model.layers:
+            block.compile(backend=backend)
+        return model
+
+    return wrap
+
+
+def case_compile_eager_and_aot_eager(rank, world):
+    import torch._dynamo
+
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        compare_steps(rank, world, lambda: Llama(_tiny()), _compiled(backend), _plain_step, steps=2)
+    torch._dynamo.reset()
+    compare_steps(rank, world, lambda: Llama(_tiny()), _compiled("aot_eager", whole=False), _plain_step, steps=2)
+
+
+def case_compile_inductor(rank, world):
+    """Inductor compiles C++ kernels per rank (about a minute on 2 cores): W = 2 only."""
+    import torch._dynamo
+
+    if world != 2:
+        return
+    torch._dynamo.reset()
+    compare_steps(rank, world, lambda: Llama(_tiny(n_layers=1)), _compiled("inductor"), _plain_step,
+                  steps=2, grad_rtol=1e-4, param_atol=1e-4)
+
+
+# -- meta-device init of list groups -----------------------------------------------------------
+def case_meta_init_list_group_to_empty(rank, world):
+    """fully_shard([embedding, head]) on a meta-built model, then to_empty and init."""
+    cfg = _tiny(tie_embeddings=False)
+
+    def build():
+        m = Llama(cfg)
+        torch.manual_seed(1)
+        m.init_weights()
+        return m
+
+    def wrap(_, mesh):
+        with torch.device("meta"):
+            m = Llama(cfg)
+        for block in m.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard([m.tok_embeddings, m.output], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        m.to_empty(device="cpu")
+        torch.manual_seed(1)
+        m.init_weights()
+        return m
+
+    compare_steps(rank, world, build, wrap, _plain_step, steps=2)
+
+
+def case_unconsumed_prefetch_is_drained(rank, world):
+    """An async unshard nobody waits for, and a backward prefetch of a group that keeps its
+    parameters after backward: nothing may stay in flight (gloo aborts at exit on it)."""
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    model = _wrap_blocks(Llama(_tiny()), mesh)
+    model.layers[0].set_reshard_after_backward(False)
+    model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+    t = torch.randint(0, 96, (2, 8))
+    model.loss(t, t).backward()
+    assert not list(_in_flight)
+    model.reshard()
+    for block in model.layers:
+        block.reshard()
+    handle = model.layers[1].unshard(async_op=True)
+    assert list(_in_flight)
+    drain()
+    assert not list(_in_flight)
+    handle.wait()
+
+
 # -- input that must be refused --------------------------------------------------------------
 def case_rank_dependent_granularity(rank, world):
     """Same buffer size on every rank but a different layout: must not train silently."""
@@ -230,6 +317,10 @@ CASES = [
     case_no_sync_then_sync_multi_backward,
     case_rank_dependent_granularity,
     case_dtensor_params_refused,
+    case_compile_eager_and_aot_eager,
+    case_compile_inductor,
+    case_meta_init_list_group_to_empty,
+    case_unconsumed_prefetch_is_drained,
 ]
 
 

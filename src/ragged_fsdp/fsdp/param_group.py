@@ -416,6 +416,8 @@ class ParamGroup:
             self.post_backward()
         elif self.reshard_after_backward and (self.sharded_state is not ShardedState.SHARDED or self._gathering is not None):
             self.reshard()
+        elif self._gathering is not None:  # a prefetch nobody used: finish it, keep the result
+            self.wait_for_unshard()
 
     def post_backward(self) -> None:
         """The group's gradients are complete: reduce them (or keep accumulating)."""
@@ -534,7 +536,9 @@ class ParamGroup:
                         info.unsharded = None
             for (k, info), t, o in zip(mine, new, old):
                 src = t if t is not None else o
-                if src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
+                if src.device.type == "meta" and buf.device.type != "meta":
+                    pass  # no data to keep (to_empty of a list group moves its modules one by one)
+                elif src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
                     buf.copy_local_(info.slot, src.to(device=buf.device, dtype=buf.dtype))
                 repoint(info.sharded, buf.sharded_view(info.slot))
                 info.register(info.sharded)

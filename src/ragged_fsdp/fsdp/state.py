@@ -34,6 +34,12 @@ from .param_group import ParamGroup, ShardedState, TrainingState
 __all__ = ["FSDPState", "RootContext"]
 
 
+def _eager(fn):
+    """``fn`` never traced by torch.compile (a graph break where it is called)."""
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn, recursive=True) if disable is not None else fn
+
+
 class RootContext:
     """State shared by every FSDP state under one root."""
 
@@ -78,9 +84,12 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] = []
         self._to_run: set[int] = set()  # modules of a list group still to run this pass
         self._handles = []
+        # torch.compile: the hooks run eagerly (a graph break at each), as FSDP2's do; dynamo
+        # traces the module's compute between them, on the plain unsharded parameters.
+        pre, post = _eager(self._pre_forward), _eager(self._post_forward)
         for m in modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post_forward, prepend=False))
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, prepend=False))
 
     # -- lazy init -------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -189,8 +198,9 @@ class FSDPState:
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
+        hook = _eager(self._pre_backward)
         for t in grad_tensors(output):
-            t.register_hook(self._pre_backward)
+            t.register_hook(hook)
         return output
 
     # -- backward --------------------------------------------------------------------------
