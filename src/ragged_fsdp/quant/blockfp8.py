@@ -220,16 +220,31 @@ def quantize_pieces(x: torch.Tensor, tile: tuple[int, int], dtype: torch.dtype,
         op.copy_(q.clamp_(-fmax, fmax))  # clamp: x/scale may round just above fp8_max
 
 
+_LUTS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def codes_to_float(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp8 codes (``uint8``) as fp32, exactly. On CPU torch converts fp8 one element at a time
+    (about 2x slower than a 256-entry table lookup, which gives the same values)."""
+    if codes.device.type != "cpu":
+        return codes.view(dtype).float()
+    lut = _LUTS.get(dtype)
+    if lut is None:
+        lut = _LUTS[dtype] = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    return torch.index_select(lut, 0, codes.reshape(-1).int()).view(codes.shape)
+
+
 @torch.no_grad()
 def dequantize_pieces(codes: torch.Tensor, scales: torch.Tensor, tile: tuple[int, int],
                       dtype: torch.dtype, out: torch.Tensor) -> None:
     """``out (n, rows, C) = codes * scale`` (fp32 product, then cast to ``out.dtype``)."""
     if out.numel() == 0:
         return
-    vals = codes.view(dtype)
+    vals = codes_to_float(codes, dtype)
     s_rows = _per_row(scales, out.shape[1], tile[0])
-    for (cp, sp), (op, _) in zip(_by_tile(vals, s_rows, tile[1]), _by_tile(out, s_rows, tile[1])):
-        op.copy_(cp.float() * sp)
+    for vp, sp in _by_tile(vals, s_rows, tile[1]):
+        vp.mul_(sp)
+    out.copy_(vals)
 
 
 def _as_pieces(t: torch.Tensor, g: TileGeometry) -> torch.Tensor:
