@@ -27,7 +27,7 @@ from ragged_fsdp.dbuffer.planning import plan_layout
 from ragged_fsdp.fsdp.quant_gather import fp8_granularity
 from ragged_fsdp.planner.granularity import Granularity
 from ragged_fsdp.quant import (
-    ScaleLayout, TileGeometry, dequantize_pieces, per_tensor_quantize_dequantize, quantize_dequantize,
+    FP8_DTYPES, ScaleLayout, TileGeometry, dequantize_pieces, per_tensor_quantize_dequantize, quantize_dequantize,
     quantize_pieces, tile_amax,
 )
 
@@ -117,6 +117,19 @@ def test_policy_validation_and_eligibility():
     q = BlockFP8(tile=(8, 16), param_filter=lambda n, t: "emb" not in n)
     assert not q.applies("emb.weight", torch.empty(16, 16)) and q.applies("lin.weight", torch.empty(16, 16))
     assert BlockFP8(dtype=torch.float8_e5m2).fp8_max == 57344.0
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=str)
+def test_every_fp8_format_round_trips(dtype):
+    """Out of range e5m2 gives inf and the fnuz formats NaN: the clamp keeps codes finite."""
+    torch.manual_seed(3)
+    x = torch.randn(21, 19) * torch.logspace(-4, 4, 21)[:, None]
+    pol = BlockFP8(tile=(4, 8), dtype=dtype)
+    y = quantize_dequantize(x, pol)
+    assert torch.isfinite(y).all()
+    err = (y - x).abs().amax() / x.abs().amax()
+    assert err <= 2 ** -2, f"{dtype}: {err}"  # e5m2: 2 mantissa bits
+    assert torch.allclose(x.abs().amax(), y.abs().amax(), rtol=1e-6)  # the max maps to fp8_max * scale
 
 
 def test_scale_layout_index():
