@@ -22,7 +22,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from _dist import check_case, cpu_mesh, full, global_batch, run_cases
 
 from ragged_fsdp import BlockFP8, fully_shard
-from ragged_fsdp.dbuffer.layout import BufferLayout
 from ragged_fsdp.dbuffer.planning import plan_layout
 from ragged_fsdp.fsdp.quant_gather import fp8_granularity
 from ragged_fsdp.planner.granularity import Granularity
