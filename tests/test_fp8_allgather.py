@@ -332,7 +332,27 @@ def case_bad_configurations(rank, world):
     m.proj.reshard()
 
 
-CASES = [case_gathered_weights_bitwise, case_training_matches_reference, case_bad_configurations]
+def case_bench_bytes_match_engine(rank, world):
+    """The bench's planned bytes per gather equal the engine's buffers for the same model."""
+    from ragged_fsdp.bench.fp8_allgather import cell, module_groups
+
+    mesh = cpu_mesh(world)
+    plain = _build()
+    want = cell(module_groups(plain, _groups(plain)), world, POL, want_suggest=False)
+    model = _wrap(_build(), mesh)
+    got = {"codes": 0, "scales": 0, "rest_bf16": 0}
+    for g in _groups(model):
+        for b in g.dbuffers:
+            if b.quant is not None:
+                got["codes"] += b.layout.total
+                got["scales"] += b.quant.layout.total * 4
+            else:
+                got["rest_bf16"] += b.layout.total * 2
+    assert got == {k: want["fp8"][k] for k in got}, (got, want["fp8"])
+
+
+CASES = [case_gathered_weights_bitwise, case_training_matches_reference, case_bad_configurations,
+         case_bench_bytes_match_engine]
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"W{w}")
