@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 
 from .integrity import ChecksummedWriter
 from .strict import load as _strict_load
+from .strict import quiet_single_process
 
 __all__ = ["Checkpoint", "save", "load_latest", "list_checkpoints", "latest_checkpoint", "MARKER"]
 
@@ -154,8 +155,9 @@ def save(
         raise plan
     step_, tmp, final = plan
 
-    dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=process_group, planner=planner,
-             no_dist=not _use_dist(process_group))
+    with quiet_single_process(not _use_dist(process_group)):
+        dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=process_group, planner=planner,
+                 no_dist=not _use_dist(process_group))
     if _use_dist(process_group):
         dist.barrier(group=process_group)  # every rank's files are written and synced
 

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._tree import set_element
 from .integrity import ChecksummedWriter
-from .strict import dcp_load_verified, read_metadata
+from .strict import dcp_load_verified, quiet_single_process, read_metadata
 
 __all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp"]
 
@@ -121,7 +121,8 @@ def torch_save_to_dcp(
         raise FileExistsError(f"{out} already holds a DCP checkpoint; remove it or pick another directory")
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} is a file; give a directory for the DCP checkpoint")
-    dcp.save(state, storage_writer=ChecksummedWriter(out), no_dist=True)
+    with quiet_single_process(True):
+        dcp.save(state, storage_writer=ChecksummedWriter(out), no_dist=True)
     return out
 
 

@@ -8,7 +8,9 @@ both directions, and tensor shapes, before reading a byte, and names every offen
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -151,18 +153,23 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True,
             state[k] = sd[k]
 
 
+@contextlib.contextmanager
+def quiet_single_process(no_dist: bool):
+    """DCP warns that it "assumes" one process even when ``no_dist=True`` says so."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def dcp_load_verified(state, path, *, planner=None, process_group=None, no_dist=False) -> None:
     """``dcp.load`` through :class:`ChecksummedReader`; a failure on any rank becomes the
     library's own error with one message (DCP raises a ``CheckpointException``, a
     BaseException whose text is every rank's traceback)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    import warnings
-
     try:
-        with warnings.catch_warnings():
-            if no_dist:  # asked for explicitly; torch warns that it assumes one process
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with quiet_single_process(no_dist):
             dcp.load(state, storage_reader=ChecksummedReader(path), planner=planner,
                      process_group=process_group, no_dist=no_dist)
     except CheckpointException as e:
