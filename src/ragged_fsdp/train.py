@@ -90,7 +90,7 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float):
     if name == "muon":
         groups = ropt.muon_param_groups(
             model, muon={"lr": lr, "adjust_lr_fn": "match_rms_adamw"},
-            adamw={"lr": lr, "betas": (0.9, 0.95)},
+            adamw={"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1},  # as the adamw run
         )
         return ropt.Muon(groups, lr=lr, weight_decay=0.1)
     raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
@@ -243,10 +243,27 @@ def report(cfg: TrainConfig, results: list[dict]) -> None:
         print(f"\nwrote {out / 'results.json'} (install matplotlib for the loss curve)")
 
 
+def check_args(steps: int, batch: int, world: int) -> str | None:
+    """Why the demo cannot run with these settings, or None (pure; also used by the CLI)."""
+    if world < 1:
+        return f"--nproc {world}: need at least one rank"
+    if steps < 1:
+        return f"--steps {steps}: need at least one training step"
+    if batch < 1:
+        return f"--batch {batch}: need at least one sequence per step"
+    if batch % world:
+        lo, hi = batch // world * world, -(-batch // world) * world
+        near = " or ".join(str(b) for b in (lo, hi) if b > 0)
+        return (f"--batch {batch} does not split evenly over {world} ranks (every rank trains on "
+                f"batch/ranks sequences); use --batch {near}")
+    return None
+
+
 def parse(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.global_batch, help="global batch in sequences")
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw8bit", "muon"])
     p.add_argument("--out", default=d.out)
@@ -259,9 +276,11 @@ def parse(argv=None) -> TrainConfig:
     a = p.parse_args(argv)
     if not 0 <= a.heldout < 1:
         p.error(f"--heldout {a.heldout}: expected a fraction in [0, 1)")
-    return TrainConfig(steps=a.steps, data=a.data, optimizer=a.optimizer, out=a.out,
-                       frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout,
-                       seed=a.seed)
+    err = check_args(a.steps, a.batch, int(os.environ.get("WORLD_SIZE", "1")))
+    if err:
+        p.error(err)
+    return TrainConfig(steps=a.steps, global_batch=a.batch, data=a.data, optimizer=a.optimizer, out=a.out,
+                       frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout, seed=a.seed)
 
 
 def main(argv=None) -> None:
