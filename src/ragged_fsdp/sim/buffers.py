@@ -126,7 +126,7 @@ LIFETIMES = {"ragged": RAGGED, "fsdp2": FSDP2, "fsdp1": FSDP1, "deepspeed": DEEP
 DIFFERENCES = {
     "ragged": ["planner layout (no block cut, padding between tensors)", "all-gather output is the parameters (no copy-out)",
                "gradients land in one flat buffer; one reduce-scatter per group (no copy-in)"],
-    "fsdp2": ["per-parameter Shard(0), dim 0 padded to W", "copy-out of every parameter after each all-gather",
+    "fsdp2": ["per-parameter Shard(0), dim 0 padded to W (3-D experts: Shard(1) when dim 0 < W, as torchtitan)", "copy-out of every parameter after each all-gather",
               "copy-in of every gradient before each reduce-scatter"],
     "fsdp1": ["flat parameter padded to W, blocks cut", "record_stream frees late (3 gathers live)"],
     "deepspeed": ["per-parameter flat partitions padded to W", f"small parameters (<= persistence threshold) replicated",

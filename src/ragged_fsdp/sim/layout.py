@@ -131,6 +131,9 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
             if framework == "deepspeed":  # small tensors stay whole on every rank
                 persistent = sum(s.numel for s in specs if s.numel <= persistence_threshold)
                 sharded = [s for s in specs if s.numel > persistence_threshold]
+            if framework == "fsdp2":  # torchtitan shards 3-D experts on dim 1 when dim 0 < W
+                sharded = [TensorSpec(s.name, (s.shape[1], s.shape[0], *s.shape[2:]), s.itemsize, s.granularity)
+                           if len(s.shape) == 3 and s.shape[0] < world else s for s in sharded]
             r = baseline(base, sharded, world) if sharded else None
             numel = sum(s.numel for s in specs)
             seg = (r.per_rank if r else 0)
