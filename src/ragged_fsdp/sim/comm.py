@@ -18,6 +18,9 @@ __all__ = ["collective_time", "alltoall_time", "allreduce_time"]
 
 
 def _measured(prof: GPUProfile, op: str, nbytes: float) -> float | None:
+    ab = (prof.alpha_beta or {}).get(op)
+    if ab:  # the calibrated alpha-beta line
+        return ab[0] + nbytes / ab[1]
     table = (prof.collectives or {}).get(op)
     if not table:
         return None

@@ -43,6 +43,7 @@ class GPUProfile:
     # measured collective cost: {op: [[bytes, seconds], ...]} at the calibration world size
     collectives: dict | None = None
     calibrated_world: int = 0
+    alpha_beta: dict | None = None  # {op: [alpha seconds, beta bytes/s]} fitted on `collectives`
     fp32_flops: float = 0.0  # CPU profile: fp32 matmul throughput (0: use flops)
 
     def with_overrides(self, **kw) -> "GPUProfile":
@@ -66,6 +67,8 @@ PROFILES: dict[str, GPUProfile] = {
 
 def load_profile(path: str | Path) -> GPUProfile:
     data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a profile JSON object")
     known = {f.name for f in fields(GPUProfile)}
     return GPUProfile(**{k: v for k, v in data.items() if k in known})
 
