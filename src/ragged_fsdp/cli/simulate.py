@@ -80,6 +80,11 @@ def _profile(args):
     return prof.with_overrides(**kw)
 
 
+def _sweep_mesh(spec: str, gpus: int) -> str:
+    """With --sweep, an explicit dp= is recomputed per size: drop it so --gpus decides."""
+    return ",".join(p for p in spec.split(",") if not p.strip().startswith("dp=")) or f"dp={gpus}"
+
+
 def run(args) -> int:
     if args.calibrate:
         from ..sim.calibrate import calibrate
@@ -94,13 +99,28 @@ def run(args) -> int:
                 raise ValueError(f"--frameworks: unknown {f!r}; known: {', '.join(FRAMEWORKS)}")
         if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
             raise ValueError("--gpus, --seq and --micro-batch must be >= 1")
-        mesh = parse_mesh(args.mesh, args.gpus)
+        mesh = parse_mesh(args.mesh, args.gpus) if not args.sweep or args.mesh is None or "dp=" not in args.mesh \
+            else parse_mesh(_sweep_mesh(args.mesh, args.gpus), args.gpus)
         gran = None if args.granularity == "element" else args.granularity
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran)
         why = {}
         if args.sweep:
-            weak, strong = sweep(sc, args.sweep, frameworks)
+            m0 = sc.mesh
+
+            def mesh_fn(g, m0=m0):  # keep TP / EP / the HSDP shard size; dp (or replicas) grows
+                from ..sim.mesh import Mesh
+
+                fixed = m0.tp * m0.ep * (m0.dp if m0.replicate > 1 else 1)
+                if g % fixed:
+                    raise ValueError(f"--sweep: {g} GPUs is not a multiple of {fixed} (mesh {m0})")
+                if m0.replicate > 1:
+                    return Mesh(m0.dp, g // fixed, m0.tp, m0.ep)
+                return Mesh(g // fixed, 1, m0.tp, m0.ep)
+
+            if mesh is None:
+                raise ValueError("--sweep needs a fixed --mesh shape (not auto)")
+            weak, strong = sweep(sc, args.sweep, frameworks, mesh_fn)
             if args.json:
                 print(json.dumps({"weak": {g: [r.to_json() for r in rs] for g, rs in weak.items()},
                                   "strong": {g: [r.to_json() for r in rs] for g, rs in strong.items()}},

@@ -36,15 +36,18 @@ def _measured(prof: GPUProfile, op: str, nbytes: float) -> float | None:
     return ys[i - 1] + f * (ys[i] - ys[i - 1])
 
 
-def _bw_lat(prof: GPUProfile, world: int) -> tuple[float, float]:
-    gpn = prof.gpus_per_node
+def _bw_lat(prof: GPUProfile, world: int, stride: int = 1) -> tuple[float, float]:
+    """Bandwidth and latency for a group of ``world`` ranks spaced ``stride`` apart (inner
+    mesh dims such as TP or EP take the ranks in between): it stays on NVLink only when the
+    whole group fits in one node."""
+    gpn = max(1, prof.gpus_per_node // max(1, stride))
     if world <= gpn:
         return prof.nvlink_bw, prof.alpha_intra * (world - 1)
     nodes = math.ceil(world / gpn)
     return prof.net_bw, prof.alpha_intra * (gpn - 1) + prof.alpha_inter * math.ceil(math.log2(nodes))
 
 
-def collective_time(prof: GPUProfile, op: str, out_bytes: float, world: int) -> float:
+def collective_time(prof: GPUProfile, op: str, out_bytes: float, world: int, stride: int = 1) -> float:
     """All-gather (``op="all_gather"``, ``out_bytes`` = gathered size) or reduce-scatter
     (``"reduce_scatter"``, ``out_bytes`` = the unsharded input size)."""
     if world <= 1 or out_bytes <= 0:
@@ -52,17 +55,17 @@ def collective_time(prof: GPUProfile, op: str, out_bytes: float, world: int) -> 
     got = _measured(prof, op, out_bytes)
     if got is not None:
         return got
-    bw, lat = _bw_lat(prof, world)
+    bw, lat = _bw_lat(prof, world, stride)
     return lat + (world - 1) / world * out_bytes / bw
 
 
-def allreduce_time(prof: GPUProfile, nbytes: float, world: int) -> float:
+def allreduce_time(prof: GPUProfile, nbytes: float, world: int, stride: int = 1) -> float:
     if world <= 1 or nbytes <= 0:
         return 0.0
     got = _measured(prof, "all_reduce", nbytes)
     if got is not None:
         return got
-    bw, lat = _bw_lat(prof, world)
+    bw, lat = _bw_lat(prof, world, stride)
     return 2 * lat + 2 * (world - 1) / world * nbytes / bw
 
 

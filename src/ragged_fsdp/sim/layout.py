@@ -36,6 +36,7 @@ class GroupLayout:
     blocks_cut: int = 0
     # DeepSpeed ZeRO-3: tensors at or under the persistence threshold stay replicated
     persistent: int = 0
+    stride: int = 1  # rank spacing of the shard group (inner TP / EP dims sit in between)
 
     @property
     def gathered(self) -> int:
@@ -115,7 +116,8 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
                 plan = mp.kinds[mp.kind_of[gi]].plan
                 numel = sum(s.numel for s in specs)
                 cache[(name,)] = GroupLayout(name, 1, world, plan.segment, numel, len(specs), is_exp,
-                                             (plan.total - numel) / max(1, numel))
+                                             (plan.total - numel) / max(1, numel),
+                                             stride=tp * (ep if is_exp else 1))
         return [cache[(n,)] for n, _, _ in split]
     base = _BASELINE.get(framework)
     if base is None:
@@ -139,7 +141,7 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
             seg = (r.per_rank if r else 0)
             hit = GroupLayout(name, 1, world, seg, numel, len(specs), is_exp,
                               ((seg * world + persistent * world) - numel) / max(1, numel) if r else 0.0,
-                              r.blocks_cut if r else 0, persistent)
+                              r.blocks_cut if r else 0, persistent, stride=tp * (ep if is_exp else 1))
             cache[key] = hit
         out.append(GroupLayout(**{**hit.__dict__, "name": name}))
     return out

@@ -57,11 +57,16 @@ class GPUProfile:
         return asdict(self)
 
 
+# efficiency: fitted on one published torchtitan FSDP2 point per GPU (sim/published.py):
+# H100 on Llama 3.1 8B (8 GPUs), A100 on Llama 3 8B (64 GPUs). H200 shares H100's compute;
+# B200 has no published point here, so it borrows H100's factor (unvalidated).
+EFF_H100, EFF_A100 = 0.40, 0.71
+
 PROFILES: dict[str, GPUProfile] = {
-    "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8),
-    "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8),
-    "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8),
-    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8),
+    "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100),
+    "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100),
+    "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100),
+    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_H100),
 }
 
 

@@ -70,9 +70,9 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
     rate *= prof.efficiency
     comp_f = [f / rate for f in t.fwd_flops]
     comp_b = [2 * c + t.recompute * c for c in comp_f]
-    ag = [collective_time(prof, "all_gather", g.gathered * t.cb, g.shard_world) for g in L]
-    rs = [collective_time(prof, "reduce_scatter", g.gathered * t.rb, g.shard_world)
-          + allreduce_time(prof, g.segment * t.rb, t.replicate) for g in L]
+    ag = [collective_time(prof, "all_gather", g.gathered * t.cb, g.shard_world, g.stride) for g in L]
+    rs = [collective_time(prof, "reduce_scatter", g.gathered * t.rb, g.shard_world, g.stride)
+          + allreduce_time(prof, g.segment * t.rb, t.replicate, g.stride * g.shard_world) for g in L]
     o = prof.overlap
 
     def hide(comm, comp):
