@@ -129,7 +129,7 @@ DIFFERENCES = {
     "fsdp2": ["per-parameter Shard(0), dim 0 padded to W (3-D experts: Shard(1) when dim 0 < W, as torchtitan)", "copy-out of every parameter after each all-gather",
               "copy-in of every gradient before each reduce-scatter"],
     "fsdp1": ["flat parameter padded to W, blocks cut", "record_stream frees late (3 gathers live)"],
-    "deepspeed": ["per-parameter flat partitions padded to W", f"small parameters (<= persistence threshold) replicated",
+    "deepspeed": ["per-parameter flat partitions padded to W", "small parameters (<= persistence threshold) replicated",
                   "low-precision partition beside fp32 master", "gradient copy into a reduce bucket",
                   "gathered parameters copied out of the flat buffer"],
     "megatron": ["flat buckets chunked at the LCM of row sizes (padding)", "no copies (views of buckets)"],

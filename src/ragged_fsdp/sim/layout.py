@@ -10,7 +10,6 @@ DeepSpeed and Megatron-FSDP from :mod:`ragged_fsdp.planner.baselines` on the sam
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..planner.baselines import baseline
@@ -146,6 +145,3 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
         out.append(GroupLayout(**{**hit.__dict__, "name": name}))
     return out
 
-
-def numel(shape) -> int:
-    return math.prod(shape)

@@ -16,7 +16,7 @@ import math
 from ..planner.granularity import TensorSpec
 from ..planner.model import plan_model
 from .arch import Arch
-from .layout import GroupLayout, group_layouts
+from .layout import group_layouts
 from .memory import MemoryInputs, MemoryResult, step_memory
 
 __all__ = ["reference_arch", "exact_rank_bytes", "reference_memory"]

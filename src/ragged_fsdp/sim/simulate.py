@@ -122,7 +122,7 @@ def _activations(arch: Arch, sc: Scenario, cb: int, n_groups: list[str]) -> tupl
         layer_idx += 1
     # bf16 logits, their fp32 copy for the loss, and the fp32 gradient of the logits
     loss = sc.micro_batch * sc.seq * arch.vocab / sc.mesh.tp * (cb + 4 + 4)
-    return saved, (work if sc.act_ckpt != "none" else work), loss
+    return saved, work, loss  # work: one block's full activations (backward / recompute)
 
 
 def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> list[FrameworkResult]:
