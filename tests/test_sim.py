@@ -167,3 +167,20 @@ def test_cli_mesh_auto_says_why(capsys):
 def test_profiles_cover_the_issue():
     assert set(PROFILES) >= {"h100", "h200", "a100", "b200"}
     assert all(math.isfinite(p.flops) for p in PROFILES.values())
+
+
+def test_optimizers_and_meshes():
+    prof = get_profile("h100")
+    res = {}
+    for opt in ("adamw", "adamw8bit", "muon"):
+        for mesh in (Mesh(256), Mesh(8, 32), Mesh(64, 1, 4)):
+            sc = Scenario("llama3-8b", 256, prof, mesh, optimizer=opt, seq=2048)
+            res[opt, str(mesh)] = {r.framework: r for r in simulate(sc, ("ragged", "fsdp2"))}
+    a, q = res["adamw", "dp=256"]["ragged"], res["adamw8bit", "dp=256"]["ragged"]
+    assert abs(q.optimizer_states / a.optimizer_states - (2 + 8 / 256) / 8) < 1e-3
+    # HSDP shards over 8 ranks: 32x the sharded state of plain FSDP over 256
+    h = res["adamw", "hsdp=32x8"]["ragged"]
+    assert abs(h.sharded_params / a.sharded_params - 32) < 0.05
+    # Muon: ragged_fsdp spreads Newton-Schulz over owners; torch's Muon repeats it on every rank
+    m = res["muon", "dp=256"]
+    assert m["ragged"].time_parts["optimizer"] < m["fsdp2"].time_parts["optimizer"] / 10

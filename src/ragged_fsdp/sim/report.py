@@ -20,8 +20,11 @@ ASSUMPTIONS = [
     "full checkpointing keeps each block's input, selective keeps every other block",
     "memory adds a fixed reserve (profile reserved_bytes) for the CUDA context, NCCL and allocator slack; "
     "fragmentation is not modelled",
-    "ragged_fsdp's granularity follows the optimizer: element for adamw, block:256 for adamw8bit, whole "
-    "matrices for muon; other frameworks ignore structure",
+    "ragged_fsdp's granularity follows the optimizer: element for adamw and muon (Muon's owners get the "
+    "pieces by all-to-all; --granularity matrix keeps matrices whole instead), block:256 for adamw8bit; "
+    "other frameworks ignore structure",
+    "muon on the other frameworks: torch.optim.Muon on sharded parameters, every rank assembles and "
+    "orthogonalises every matrix",
     "fsdp1, deepspeed and megatron are modelled from their documented buffer and collective behaviour "
     "and are unvalidated",
 ]

@@ -26,8 +26,11 @@ FRAMEWORKS = ("ragged", "fsdp2", "fsdp1", "deepspeed", "megatron")
 # from their documented buffer and collective behaviour
 VALIDATED = {"ragged": "validated", "fsdp2": "validated", "fsdp1": "unvalidated",
              "deepspeed": "unvalidated", "megatron": "unvalidated"}
-# what ragged_fsdp keeps whole for each optimizer (others ignore structure)
-DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": "matrix"}
+# what ragged_fsdp keeps whole for each optimizer (others ignore structure). Muon does not
+# need whole matrices (each owner receives the pieces by all-to-all); keeping them whole
+# (--granularity matrix) removes that traffic but forces S >= the largest matrix, which at
+# large W costs more padding than it saves.
+DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": None}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 AC_MODES = ("none", "selective", "full")
 
@@ -173,14 +176,18 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         opt_elems = sum(g.segment + g.persistent for g in L)
         ep_bytes = 4 * tokens * arch.top_k * arch.hidden * cb * arch.moe_layers if mesh.ep > 1 else 0.0
         tp_bytes = 8 * tokens * arch.hidden * cb * arch.layers if mesh.tp > 1 else 0.0
+        ns_a2a = 0.0
         if sc.optimizer == "muon" and fw == "ragged":
+            # one owner per matrix, flops balanced; pieces travel to owners and back (all-to-all)
+            # unless the layout keeps matrices whole
             ns_world, ns_gather = mesh.dp * mesh.ep, 0.0
+            ns_a2a = 0.0 if gran == "matrix" else 2 * 4.0 * sum(g.segment for g in L)
         else:  # torch.optim.Muon on sharded params: every rank assembles and orthogonalises all
             ns_world, ns_gather = 1, matrix_elems * 4 / mesh.tp
         ti = TimeInputs(layouts=L, fwd_flops=fwd, recompute=recompute, cb=cb, rb=rb, replicate=mesh.replicate,
                         kept=kept, reshard_after_forward=sc.reshard_after_forward, opt_elems=opt_elems,
                         optimizer=sc.optimizer, ns_flops=ns_total / mesh.tp, ns_world=ns_world,
-                        ns_gather_bytes=ns_gather, ep_bytes=ep_bytes, ep_world=mesh.ep, tp_bytes=tp_bytes,
+                        ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep, tp_bytes=tp_bytes,
                         tp_world=mesh.tp)
         tr = step_time(fw, prof, ti)
         per_gpu_model_flops = model_flops / mesh.tp

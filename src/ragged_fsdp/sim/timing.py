@@ -36,7 +36,8 @@ class TimeInputs:
     optimizer: str = "adamw"
     ns_flops: float = 0.0  # Muon: Newton-Schulz flops of all matrices (whole model)
     ns_world: int = 1  # ranks sharing the Newton-Schulz work (ragged: owners; others: none)
-    ns_gather_bytes: float = 0.0  # Muon: bytes each rank moves to assemble matrices
+    ns_gather_bytes: float = 0.0  # Muon: bytes of whole matrices each rank assembles (all-gather)
+    ns_a2a_bytes: float = 0.0  # Muon: bytes each rank sends to / receives from owners (all-to-all)
     ep_bytes: float = 0.0  # EP all-to-all bytes per rank per step (dispatch + combine, fwd + bwd)
     ep_world: int = 1
     tp_bytes: float = 0.0  # TP collective bytes per rank per step
@@ -106,6 +107,7 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
     else:
         opt = t.opt_elems * 24 / prof.mem_bw + t.ns_flops / max(1, t.ns_world) / rate
         opt += collective_time(prof, "all_gather", t.ns_gather_bytes, max(2, t.ns_world)) if t.ns_gather_bytes else 0.0
+        opt += alltoall_time(prof, t.ns_a2a_bytes, t.ns_world) if t.ns_a2a_bytes else 0.0
     ep = alltoall_time(prof, t.ep_bytes, t.ep_world)
     tp = collective_time(prof, "all_gather", t.tp_bytes, t.tp_world)
     compute = sum(comp_f) + sum(comp_b) + t.extra_compute
