@@ -1,4 +1,4 @@
-"""Structure-aware optimizers: distributed Muon and block-wise 8-bit AdamW.
+"""Structure-aware optimizers: distributed Muon, block-wise 8-bit AdamW and Shampoo.
 
 Both work on plain modules and on modules sharded by ``ragged_fsdp.fully_shard`` (or any
 layout that gives each rank one contiguous run of each parameter: RaggedShard, torch's
@@ -30,6 +30,9 @@ layout, absmax as a RaggedDTensor over blocks) that load under any other layout 
 """
 from .adamw8bit import AdamW8bit, state_bytes
 from .muon import Muon, adjust_lr, newton_schulz, newton_schulz_flops
+from .shampoo import Shampoo
+from .shampoo_blocks import merged_shape, shampoo_granularity
+from .shampoo_reference import ReferenceShampoo
 from .routing import (
     adamw8bit_granularity, combined_granularity, muon_granularity, muon_param_groups, split_params,
 )
@@ -37,5 +40,5 @@ from .routing import (
 __all__ = [
     "Muon", "AdamW8bit", "state_bytes", "newton_schulz", "newton_schulz_flops", "adjust_lr",
     "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
-    "split_params",
+    "split_params", "Shampoo", "shampoo_granularity", "merged_shape", "ReferenceShampoo",
 ]
