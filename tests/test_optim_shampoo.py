@@ -140,11 +140,16 @@ def _bitwise(rank, world, kw, dtypes=None, steps=10):
             f"{SHAPES[i]} {q.dtype}: max |diff| {(got.double() - q.double()).abs().max().item():.3e}")
         st, rst = opt.state[p], ref_opt.state[i]
         assert torch.equal(_full(st["exp_avg"]), rst["m"]), f"{SHAPES[i]}: exp_avg"
-        for key, val in st.items():  # tiles this rank owns, bitwise too
+        n_tiles = 0
+        for key, val in st.items():  # every rank has every tile key; the owner's data is bitwise
             if key.startswith("factor_matrix_") or key.startswith("inv_root_"):
                 t, j = (int(x) for x in key.rsplit("_", 2)[-2:])
+                n_tiles += key.startswith("factor_matrix_") and j == 0
                 want = rst["tiles"][t]["F" if key.startswith("factor") else "P"][j]
-                assert torch.equal(val, want), f"{SHAPES[i]}: {key}"
+                local = val._local_tensor if isinstance(val, rf.RaggedDTensor) else val
+                if local.numel():
+                    assert torch.equal(local, want), f"{SHAPES[i]}: {key}"
+        assert n_tiles == len(rst["tiles"]), (SHAPES[i], n_tiles)
     return opt
 
 
@@ -325,41 +330,61 @@ def _params_full(model):
 
 
 def case_ckpt_save_w4(rank, world):
+    import ragged_fsdp.checkpoint as ck
+
     model = _ckpt_model(world)
     opt = _ckpt_opt(model)
     _synthetic_steps(model, opt, 0, N_SAVE)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=_d("ckpt"))
+    ck.save({"train": ck.TrainState(model, opt)}, _d("root"))  # keyed by name, strict load
     _synthetic_steps(model, opt, N_SAVE, N_MORE)
     want = _params_full(model)
     if rank == 0:
         torch.save(want, _d("ckpt_continued.pt"))
 
 
-def _ckpt_load_and_continue(world):
+def _continue_and_compare(model, opt, what):
+    _synthetic_steps(model, opt, N_SAVE, N_MORE)
+    want = torch.load(_d("ckpt_continued.pt"))
+    for n, t in _params_full(model).items():
+        assert torch.equal(t, want[n]), f"{what}: {n}: max |diff| {(t - want[n]).abs().max().item():.3e}"
+
+
+def case_ckpt_load_w3_w1(rank, world):
+    import ragged_fsdp.checkpoint as ck
+
+    # the plain idiom: dcp.load into opt.state_dict(), then load_state_dict
     model = _ckpt_model(world)
     opt = _ckpt_opt(model)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(state, checkpoint_id=_d("ckpt"))
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
-    _synthetic_steps(model, opt, N_SAVE, N_MORE)
-    want = torch.load(_d("ckpt_continued.pt"))
-    for n, t in _params_full(model).items():
-        assert torch.equal(t, want[n]), f"{n}: max |diff| {(t - want[n]).abs().max().item():.3e}"
-    return opt
+    import copy
 
-
-def case_ckpt_load_w3_w1(rank, world):
-    opt = _ckpt_load_and_continue(world)
-    # a state dict that lacks a tile this rank owns is refused, naming it
+    # (copied: the plain ``step`` tensors in a state dict are the optimizer's own)
+    full = copy.deepcopy(ck.get_optimizer_state_dict(model, opt, options=ck.StateDictOptions(full_state_dict=True)))
+    full_m = copy.deepcopy(ck.get_model_state_dict(model, options=ck.StateDictOptions(full_state_dict=True)))
+    _continue_and_compare(model, opt, "dcp.load")
+    # TrainState through the strict atomic loader (same keys on every rank)
+    model = _ckpt_model(world)
+    opt = _ckpt_opt(model)
+    assert ck.load_latest(_d("root"), {"train": ck.TrainState(model, opt)}) is not None
+    _continue_and_compare(model, opt, "TrainState")
+    # full state dicts (every tile gathered) back into a fresh sharded optimizer
+    assert sum(k.startswith("factor_matrix_") for st in full["state"].values() for k in st) > 0
+    model = _ckpt_model(world)
+    opt = _ckpt_opt(model)
+    ck.set_state_dict(model, opt, model_state_dict=full_m, optim_state_dict=full,
+                      options=ck.StateDictOptions(full_state_dict=True))
+    _continue_and_compare(model, opt, "full state dict")
+    # a state dict that lacks a tile is refused, naming it
     sd = opt.state_dict()
-    owned = [(pid, k) for pid, st in sd["state"].items() for k in st if k.startswith("inv_root_")]
-    if owned:
-        pid, key = owned[0]
-        broken = {"state": {i: dict(st) for i, st in sd["state"].items()}, "param_groups": sd["param_groups"]}
-        del broken["state"][pid][key]
-        with pytest.raises(ValueError, match=key):
-            opt.load_state_dict(broken)
+    pid, key = next((pid, k) for pid, st in sd["state"].items() for k in st if k.startswith("inv_root_"))
+    broken = {"state": {i: dict(st) for i, st in sd["state"].items()}, "param_groups": sd["param_groups"]}
+    del broken["state"][pid][key]
+    with pytest.raises(ValueError, match=key):
+        opt.load_state_dict(broken)
 
 
 CASES_BY_W = {

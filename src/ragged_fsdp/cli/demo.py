@@ -11,7 +11,7 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon", "shampoo"])
     p.add_argument("--out", default="out/demo")
 
 

@@ -33,10 +33,13 @@ State (``opt.state[p]``):
 * ``step`` (fp32 scalar), ``exp_avg`` (``m``) and, for Adam/AdaGrad grafting, ``exp_avg_sq``
   (``v``): fp32, laid out like the parameter (RaggedDTensors when it is sharded);
 * ``factor_matrix_{i}_{j}`` and ``inv_root_{i}_{j}`` for tile ``i`` (row-major over the
-  tile grid) and merged dim ``j``: plain tensors, present only on the rank that owns tile
-  ``i``. Keys do not depend on the world size, and only the owner writes them, so
-  ``dcp.save({"optim": opt.state_dict()})`` stores one copy of each, and any other world
-  size (or one process) loads the tiles it owns.
+  tile grid) and merged dim ``j``, ``d_j x d_j`` in ``factor_matrix_dtype``: on a sharded
+  parameter a RaggedDTensor that the tile's owner holds whole (``RaggedShard((), one-hot)``),
+  an empty local tensor on the other ranks; plain tensors otherwise. Keys do not depend on
+  the world size, every rank has every key (strict loaders, full state dicts and
+  ``TrainState`` see the same state everywhere), and only the owner holds and writes the
+  data, so DCP stores one copy of each tile and any other world size (or one process) reads
+  back the tiles it owns.
 """
 
 from __future__ import annotations
@@ -55,7 +58,15 @@ from .shampoo_blocks import Tile, merged_shape, row_chunks, shampoo_granularity,
 __all__ = ["Shampoo", "GRAFTING_TYPES"]
 
 GRAFTING_TYPES = ("adam", "adagrad", "sgd", None)
-_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq")
+# Param groups keep the factor dtype by name: torch's state-dict utilities (full state
+# dicts, DCP) accept only plain values in param groups, not torch.dtype objects.
+_FACTOR_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def _dtype_name(dtype) -> str | None:
+    if isinstance(dtype, str):
+        return dtype if dtype in _FACTOR_DTYPES else None
+    return next((k for k, v in _FACTOR_DTYPES.items() if v == dtype), None)
 
 
 def _tile_keys(tile: Tile) -> list[tuple[str, str]]:
@@ -76,8 +87,10 @@ class _ParamTiles:
     merged: tuple[int, ...]
     local_merged: tuple[int, ...]  # this rank's run viewed in the merged shape
     owned: list  # (Tile, local slices)
+    tiles: list  # every Tile of the parameter
+    owners: list[int]  # owner rank of each tile (index on the sharded mesh dim)
     flops_per_rank: list[int]  # eigh flops of one root recomputation, per rank of the layout
-    group: object | None
+    layout: Layout
 
 
 class Shampoo(Optimizer):
@@ -117,12 +130,15 @@ class Shampoo(Optimizer):
                  use_bias_correction: bool = True, grafting_type: str | None = "adam",
                  grafting_beta2: float = 0.999, grafting_epsilon: float = 1e-8,
                  factor_matrix_dtype: torch.dtype = torch.float32) -> None:
+        if _dtype_name(factor_matrix_dtype) is None:
+            raise ValueError(f"Shampoo: factor_matrix_dtype={factor_matrix_dtype} must be torch.float32 or "
+                             "torch.float64 (eigh needs one of them)")
         defaults = {
             "lr": lr, "betas": tuple(betas), "epsilon": epsilon, "weight_decay": weight_decay,
             "max_preconditioner_dim": max_preconditioner_dim, "precondition_frequency": precondition_frequency,
             "start_preconditioning_step": start_preconditioning_step, "use_bias_correction": use_bias_correction,
             "grafting_type": grafting_type, "grafting_beta2": grafting_beta2,
-            "grafting_epsilon": grafting_epsilon, "factor_matrix_dtype": factor_matrix_dtype,
+            "grafting_epsilon": grafting_epsilon, "factor_matrix_dtype": _dtype_name(factor_matrix_dtype),
         }
         self._tiles: dict[int, _ParamTiles] = {}
         self.last_step_stats: dict = {}
@@ -130,6 +146,13 @@ class Shampoo(Optimizer):
 
     # -- groups and layouts ----------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
+        param_group = dict(param_group)
+        if "factor_matrix_dtype" in param_group:
+            name = _dtype_name(param_group["factor_matrix_dtype"])
+            if name is None:
+                raise ValueError(f"Shampoo: factor_matrix_dtype={param_group['factor_matrix_dtype']} must be "
+                                 "torch.float32 or torch.float64 (eigh needs one of them)")
+            param_group["factor_matrix_dtype"] = name
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[-1]
@@ -173,9 +196,10 @@ class Shampoo(Optimizer):
                              "or an integer >= 1")
         if group["grafting_type"] not in GRAFTING_TYPES:
             raise ValueError(f"{where}: grafting_type={group['grafting_type']!r} must be one of {GRAFTING_TYPES}")
-        if group["factor_matrix_dtype"] not in (torch.float32, torch.float64):
+        if _dtype_name(group["factor_matrix_dtype"]) is None:
             raise ValueError(f"{where}: factor_matrix_dtype={group['factor_matrix_dtype']} must be "
                              "torch.float32 or torch.float64 (eigh needs one of them)")
+        group["factor_matrix_dtype"] = _dtype_name(group["factor_matrix_dtype"])
 
     def _info(self, p, lay: Layout, group: dict, name: str) -> _ParamTiles:
         """This rank's tiles of ``p`` under layout ``lay`` (cached; checks no tile is cut)."""
@@ -197,16 +221,16 @@ class Shampoo(Optimizer):
         row_off = a // per_row if per_row else 0
         local_rows = (b - a) // per_row if per_row else 0
         flops = [0] * lay.world
-        owned = []
+        owned, owners = [], []
         for tile in tiles:
             r = chunk_owner[tile.row_chunk]
+            owners.append(r)
             flops[r] += tile_eigh_flops(tile)
             if r == lay.rank:
                 (r0, r1), *rest = tile.ranges
                 sl = (slice(r0 - row_off, r1 - row_off),) + tuple(slice(x, y) for x, y in rest)
                 owned.append((tile, sl))
-        info = _ParamTiles(key, B, merged, (local_rows,) + merged[1:], owned, flops,
-                           lay.group if lay.sharded else None)
+        info = _ParamTiles(key, B, merged, (local_rows,) + merged[1:], owned, tiles, owners, flops, lay)
         self._tiles[id(p)] = info
         return info
 
@@ -233,11 +257,14 @@ class Shampoo(Optimizer):
         state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
         if group["grafting_type"] in ("adam", "adagrad"):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        dtype, device = group["factor_matrix_dtype"], local_of(p).device
-        for tile, _ in info.owned:
+        dtype, device = _FACTOR_DTYPES[group["factor_matrix_dtype"]], local_of(p).device
+        for tile, owner in zip(info.tiles, info.owners):
+            mine = owner == lay.rank
             for (fk, rk), d in zip(_tile_keys(tile), tile.dims):
-                state[fk] = torch.zeros(d, d, dtype=dtype, device=device)
-                state[rk] = torch.eye(d, dtype=dtype, device=device)
+                f = torch.zeros(d, d, dtype=dtype, device=device) if mine else torch.empty(0, d, dtype=dtype, device=device)
+                r = torch.eye(d, dtype=dtype, device=device) if mine else torch.empty(0, d, dtype=dtype, device=device)
+                state[fk] = _tile_tensor(f, lay, owner, d)
+                state[rk] = _tile_tensor(r, lay, owner, d)
 
     def eigh_flops_per_rank(self) -> list[int]:
         """Flops of one recomputation of every inverse root, per rank of the widest sharded
@@ -282,7 +309,7 @@ class Shampoo(Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         lr, wd = float(group["lr"]), float(group["weight_decay"])
         eps, geps, gb2 = float(group["epsilon"]), float(group["grafting_epsilon"]), float(group["grafting_beta2"])
-        graft, fdt = group["grafting_type"], group["factor_matrix_dtype"]
+        graft, fdt = group["grafting_type"], _FACTOR_DTYPES[group["factor_matrix_dtype"]]
         freq = group["precondition_frequency"]
         start = group["start_preconditioning_step"]
         start = freq if start == -1 else start
@@ -319,16 +346,16 @@ class Shampoo(Optimizer):
             g = G[sl].contiguous()
             for j, (fk, _) in enumerate(keys):
                 rest = [x for x in range(k) if x != j]
-                state[fk].mul_(beta2).add_(torch.tensordot(g, g, (rest, rest)).to(fdt), alpha=1 - beta2)
+                local_of(state[fk]).mul_(beta2).add_(torch.tensordot(g, g, (rest, rest)).to(fdt), alpha=1 - beta2)
             if recompute:
                 for j, (fk, rk) in enumerate(keys):
-                    root = self._inverse_root(state[fk], bc2, eps, k, g.shape[j], fdt, stats)
+                    root = self._inverse_root(local_of(state[fk]), bc2, eps, k, g.shape[j], fdt, stats)
                     if root is not None:
-                        state[rk] = root
+                        local_of(state[rk]).copy_(root)
             if t >= start:
                 s = m_hat[sl].contiguous().to(fdt)
                 for _, rk in keys:
-                    s = torch.tensordot(s, state[rk], ([0], [0]))
+                    s = torch.tensordot(s, local_of(state[rk]), ([0], [0]))
                 s = s.float()
                 if graft is not None:
                     s = s * (torch.linalg.vector_norm(A[sl].contiguous()) / (torch.linalg.vector_norm(s) + 1e-16))
@@ -399,18 +426,61 @@ class Shampoo(Optimizer):
                 state[key] = v if v.dtype == torch.float32 else v.float()
             if "step" not in state:
                 raise ValueError(f"Shampoo.load_state_dict: parameter {name} has no 'step' in the state dict")
-            fdt = group["factor_matrix_dtype"]
-            for tile, _ in info.owned:
+            fdt = _FACTOR_DTYPES[group["factor_matrix_dtype"]]
+            for tile, owner in zip(info.tiles, info.owners):  # every rank, same order (collectives)
                 for (fk, rk), d in zip(_tile_keys(tile), tile.dims):
                     for key in (fk, rk):
                         v = saved.get(key)
                         if v is None:
                             raise ValueError(
                                 f"Shampoo.load_state_dict: parameter {name} has no {key!r} (tile {tile.index}, "
-                                f"{tile.dims}) in the state dict; load the full checkpoint on every rank "
-                                "(dcp.load into opt.state_dict(), which lists the tiles this rank owns)")
+                                f"{tile.dims}) in the state dict; it was saved with another "
+                                "max_preconditioner_dim or for another model")
                         if tuple(v.shape) != (d, d):
                             raise ValueError(f"Shampoo.load_state_dict: {key!r} of parameter {name} has shape "
                                              f"{tuple(v.shape)}, expected {(d, d)} (another "
                                              "max_preconditioner_dim or model?)")
-                        state[key] = local_of(v).detach().to(dtype=fdt, device=local_of(p).device).clone()
+                        state[key] = _place_tile(v, lay, owner, d, fdt, local_of(p).device)
+
+
+def _tile_placements(lay: Layout, owner: int) -> tuple:
+    from torch.distributed.tensor import Replicate
+
+    from ..placement.ragged_shard import RaggedShard
+
+    placements = [Replicate()] * lay.mesh.ndim
+    placements[lay.mesh_dim] = RaggedShard((), tuple(int(r == owner) for r in range(lay.world)), 1)
+    return tuple(placements)
+
+
+def _tile_tensor(local: torch.Tensor, lay: Layout, owner: int, d: int) -> torch.Tensor:
+    """A per-tile state: a plain tensor when the parameter is not sharded, else a
+    RaggedDTensor held whole by the tile's owner (``RaggedShard((), one-hot)``): every rank
+    has the key, only the owner has (and writes) the data."""
+    if lay.kind in ("plain", "replicate"):
+        return local
+    from ..placement.api import from_local
+
+    return from_local(local, lay.mesh, _tile_placements(lay, owner), shape=(d, d))
+
+
+def _place_tile(value, lay: Layout, owner: int, d: int, dtype, device) -> torch.Tensor:
+    """A loaded per-tile state laid out for this rank: from a full tensor (no communication),
+    a DTensor on this mesh (redistributed) or on another mesh (gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    if lay.kind in ("plain", "replicate"):
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        return full.detach().to(dtype=dtype, device=device).clone()
+    placements = _tile_placements(lay, owner)
+    if isinstance(value, DTensor) and value.device_mesh == lay.mesh:
+        if tuple(value.placements) != placements:
+            from ..placement.redistribute import redistribute
+
+            value = redistribute(value, lay.mesh, placements)
+        local = local_of(value).detach().to(dtype=dtype, device=device).clone()
+    else:
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        local = full if owner == lay.rank else full[:0]
+        local = local.detach().to(dtype=dtype, device=device).clone()
+    return _tile_tensor(local, lay, owner, d)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "merged_shape", "Tile", "tiles_of", "row_chunk_elems", "row_chunks", "shampoo_granularity",
-    "eigh_flops", "tile_eigh_flops",
+    "eigh_flops", "tile_eigh_flops", "tile_extent", "tiles_cut", "shampoo_specs",
 ]
 
 
@@ -133,3 +133,43 @@ def eigh_flops(n: int) -> int:
 def tile_eigh_flops(tile: Tile) -> int:
     """Flops of one root recomputation of a tile (one eigh per factor)."""
     return sum(eigh_flops(d) for d in tile.dims)
+
+
+def tile_extent(shape: Sequence[int], tile: Tile, max_dim: int) -> tuple[int, int]:
+    """First and last flat element (inclusive) of ``tile`` in the row-major flattening."""
+    merged = merged_shape(shape, max_dim)
+    strides = [math.prod(merged[i + 1:]) for i in range(len(merged))]
+    first = sum(a * s for (a, _), s in zip(tile.ranges, strides))
+    last = sum((b - 1) * s for (_, b), s in zip(tile.ranges, strides))
+    return first, last
+
+
+def tiles_cut(shape: Sequence[int], max_dim: int, ranges: Sequence[tuple[int, int]]) -> int:
+    """How many tiles of a tensor of ``shape`` have elements on two ranks when rank ``r``
+    holds the flat elements ``ranges[r]`` (e.g. FSDP2's equal dim-0 chunks)."""
+    bounds = sorted({a for a, b in ranges if b > a} - {0})
+    cut = 0
+    for tile in tiles_of(shape, max_dim):
+        first, last = tile_extent(shape, tile, max_dim)
+        if any(first < x <= last for x in bounds):
+            cut += 1
+    return cut
+
+
+def shampoo_specs(groups, max_preconditioner_dim: int, itemsize: int = 4) -> list:
+    """Planner input for catalog shapes under Shampoo's policy: ``groups`` are ``(name,
+    [(tensor name, shape), ...])`` (e.g. ``ModelShapes.groups``), the result is ``(name,
+    [TensorSpec])`` with each tensor's granularity from :func:`shampoo_granularity`."""
+    from ..planner.granularity import TensorSpec
+
+    policy = shampoo_granularity(max_preconditioner_dim)
+
+    class _Shape:  # what the policy reads of a parameter
+        def __init__(self, shape):
+            self.shape = tuple(shape)
+
+    out = []
+    for g in groups:
+        name, tensors = (g.name, g.tensors) if hasattr(g, "tensors") else g
+        out.append((name, [TensorSpec(t[0], tuple(t[1]), itemsize, policy(t[0], _Shape(t[1]))) for t in tensors]))
+    return out
