@@ -7,9 +7,9 @@ group (per transformer block, embedding, head) is planned with every tensor's gr
 from ``Shampoo.granularity_for(B)`` (whole ``B``-row chunks of the merged view), and the
 table gives the padding (over the parameters), the structural lower bound, and for cells
 above 1% the best way out the planner finds (``plan --suggest``: a smaller shard group (HSDP)
-or merged groups). It also gives the largest power-of-two ``B`` whose row chunks fit in one
-segment of every group (``B * row length <= sum(group) / W`` for every matrix) and the padding
-planned at that ``B``: the rule of thumb for picking ``B``.
+or merged groups). It also gives the largest power-of-two
+(measured, not estimated) ``B`` in 8..1024 whose planned padding stays under ``--target``
+(5%): what to pick at that world size without changing the FSDP groups.
 
 Writes ``report.json`` and ``report.md`` under ``--out`` and prints the table.
 """
@@ -28,30 +28,15 @@ from ..planner.model import plan_model
 from ..planner.suggest import suggest
 
 
-def fitting_b(model, world: int, cap: int = 8192) -> int:
-    """Largest power of two ``B <= cap`` whose row chunks (``B`` merged rows) fit in the ideal
-    segment of every group; 1 when even ``B = 1`` does not fit."""
-    best = 1
-    b = 1
-    while b <= cap:
-        ok = True
-        for g in model.groups:
-            seg = math.ceil(g.numel / world)
-            for t in g.tensors:
-                merged = merged_shape(t.shape, b)
-                if len(merged) >= 2 and min(b, merged[0]) * math.prod(merged[1:]) > seg:
-                    ok = False
-                    break
-                if len(merged) == 1 and min(b, merged[0]) > seg:
-                    ok = False
-                    break
-            if not ok:
-                break
-        if not ok:
-            break
-        best = b
-        b *= 2
-    return best
+def largest_b(model_id: str, world: int, target: float, candidates=(1024, 512, 256, 128, 64, 32, 16, 8)):
+    """The largest ``B`` among ``candidates`` whose planned padding is at most ``target``, and
+    that padding; ``(None, padding at the smallest candidate)`` when none is."""
+    pad = None
+    for b in candidates:
+        pad = plan_model(shampoo_specs(get_model(model_id).groups, b), world).padding_ratio
+        if pad <= target:
+            return b, pad
+    return None, pad
 
 
 def cell(model_id: str, world: int, b: int, want_suggest: bool) -> dict:
@@ -81,6 +66,7 @@ def main(argv=None) -> dict:
     p.add_argument("--world", default="1024,8192")
     p.add_argument("--b", default="128,512,1024")
     p.add_argument("--no-suggest", action="store_true", help="skip the ways out (faster)")
+    p.add_argument("--target", type=float, default=0.05, help="padding target for the largest-B column (default 0.05)")
     p.add_argument("--out", default="out/shampoo_padding")
     a = p.parse_args(argv)
     models = [m for m in a.model.split(",") if m]
@@ -92,11 +78,10 @@ def main(argv=None) -> dict:
             for b in bs:
                 cells.append(cell(m, w, b, not a.no_suggest))
                 print(f"  {m} W={w} B={b}: {_pct(cells[-1]['padding_ratio'])}", flush=True)
-            fb = fitting_b(get_model(m), w)
-            fc = cell(m, w, fb, False)
-            fits.append({"model": get_model(m).id, "world": w, "B": fb, "padding_ratio": fc["padding_ratio"]})
-    report = {"cells": cells, "fitting_b": fits}
-    md = _markdown(report, worlds, bs)
+            fb, fpad = largest_b(m, w, a.target)
+            fits.append({"model": get_model(m).id, "world": w, "B": fb, "padding_ratio": fpad})
+    report = {"cells": cells, "largest_b": fits, "target": a.target}
+    md = _markdown(report, worlds, bs, a.target)
     print(md)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,11 +91,12 @@ def main(argv=None) -> dict:
     return report
 
 
-def _markdown(report: dict, worlds, bs) -> str:
+def _markdown(report: dict, worlds, bs, target: float) -> str:
     by = {(c["model"], c["world"], c["B"]): c for c in report["cells"]}
-    fit = {(f["model"], f["world"]): f for f in report["fitting_b"]}
+    fit = {(f["model"], f["world"]): f for f in report["largest_b"]}
     models = list(dict.fromkeys(c["model"] for c in report["cells"]))
-    head = ["model", "W"] + [f"B={b}" for b in bs] + ["largest B that fits", "its padding", f"best way out at B={bs[0]}"]
+    head = (["model", "W"] + [f"B={b}" for b in bs] + [f"largest B <= {target:.0%}", "its padding"]
+            + [f"best way out at B={b}" for b in (bs[0], bs[-1])])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in models:
         for w in worlds:
@@ -118,9 +104,10 @@ def _markdown(report: dict, worlds, bs) -> str:
             for b in bs:
                 row.append(_pct(by[(m, w, b)]["padding_ratio"]))
             f = fit[(m, w)]
-            row += [str(f["B"]), _pct(f["padding_ratio"])]
-            way = by[(m, w, bs[0])].get("best_way_out")
-            row.append(f"{way['description']}: {_pct(way['padding_ratio'])}" if way else "-")
+            row += [str(f["B"]) if f["B"] else "none >= 8", _pct(f["padding_ratio"])]
+            for b in (bs[0], bs[-1]):
+                way = by[(m, w, b)].get("best_way_out")
+                row.append(f"{way['description']}: {_pct(way['padding_ratio'])}" if way else "-")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

@@ -21,8 +21,17 @@ layout that gives each rank one contiguous run of each parameter: RaggedShard, t
     fully_shard(model, mesh=mesh, granularity_fn=policy)
     opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-4}))
 
-Exactness: Muon's parameters equal single-device ``torch.optim.Muon`` bit for bit (the owner
-of each matrix runs the same Newton-Schulz on the same full matrix), AdamW8bit's parameters and
+    # Shampoo: every B x B preconditioner tile whole on one rank, no collective in step()
+    gran = Shampoo.granularity_for(max_preconditioner_dim=1024)   # = Shampoo.granularity
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=gran)
+    fully_shard(model, mesh=mesh, granularity_fn=gran)
+    opt = Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=1024)
+
+Exactness: Shampoo's parameters equal the single-process ``ReferenceShampoo`` bit for bit at
+every world size (each rank preconditions the tiles it holds whole). Muon's parameters equal
+single-device ``torch.optim.Muon`` bit for bit (the owner of each matrix runs the same
+Newton-Schulz on the same full matrix), AdamW8bit's parameters and
 states are the same bits at every world size (each rank quantises whole blocks of its own).
 Both expose ``state_dict()``/``load_state_dict()`` with DTensor states (codes in the parameter's
 layout, absmax as a RaggedDTensor over blocks) that load under any other layout or world size

@@ -57,11 +57,11 @@ class ReferenceShampoo:
             for sl in _tile_slices(merged, self.B):
                 dims = [s.stop - s.start for s in sl]
                 tiles.append({"slices": sl,
-                              "F": [torch.zeros(d, d, dtype=self.fdt) for d in dims],
-                              "P": [torch.eye(d, dtype=self.fdt) for d in dims]})
+                              "F": [torch.zeros(d, d, dtype=self.fdt, device=p.device) for d in dims],
+                              "P": [torch.eye(d, dtype=self.fdt, device=p.device) for d in dims]})
             self.state.append({"merged": merged, "tiles": tiles,
-                               "m": torch.zeros(p.shape, dtype=torch.float32),
-                               "v": torch.zeros(p.shape, dtype=torch.float32)})
+                               "m": torch.zeros(p.shape, dtype=torch.float32, device=p.device),
+                               "v": torch.zeros(p.shape, dtype=torch.float32, device=p.device)})
 
     @torch.no_grad()
     def step(self):
@@ -99,7 +99,7 @@ class ReferenceShampoo:
                     tile["F"][j].mul_(beta2).add_(torch.tensordot(g, g, (rest, rest)).to(self.fdt), alpha=1 - beta2)
                 if recompute:  # 2. inverse roots
                     for j in range(k):
-                        a = tile["F"][j] / bc2 + self.eps * torch.eye(g.shape[j], dtype=self.fdt)
+                        a = tile["F"][j] / bc2 + self.eps * torch.eye(g.shape[j], dtype=self.fdt, device=g.device)
                         lam, q = torch.linalg.eigh(a)
                         lmin = lam.min()
                         if lmin < self.eps:
