@@ -482,3 +482,21 @@ def test_bad_arguments_name_the_argument():
             Shampoo(p, **kw)
     with pytest.raises(ValueError, match="max_preconditioner_dim"):
         Shampoo.granularity_for(max_preconditioner_dim=0)
+
+
+def test_plan_cli_shampoo_granularity(capsys):
+    """``plan --granularity shampoo:B`` plans with Shampoo.granularity_for(B) on every tensor."""
+    import json
+
+    from ragged_fsdp.cli import main
+    from ragged_fsdp.models.catalog import get_model
+    from ragged_fsdp.optim.shampoo_blocks import shampoo_specs
+    from ragged_fsdp.planner import plan_model
+
+    assert main(["plan", "--model", "llama3-8b", "--world", "64", "--granularity", "shampoo:128", "--json"]) == 0
+    cell = json.loads(capsys.readouterr().out)[0]
+    assert cell["granularity"] == "shampoo:128" and cell["valid"]
+    want = plan_model(shampoo_specs(get_model("llama3-8b").groups, 128), 64).padding_ratio
+    assert cell["padding_ratio"] == want
+    assert main(["plan", "--model", "llama3-8b", "--granularity", "shampoo:x"]) == 2
+    assert "shampoo:B" in capsys.readouterr().err
