@@ -6,8 +6,8 @@ For every catalog model (reference layouts and variants), world size and ``B``, 
 group (per transformer block, embedding, head) is planned with every tensor's granularity
 from ``Shampoo.granularity_for(B)`` (whole ``B``-row chunks of the merged view), and the
 table gives the padding (over the parameters), the structural lower bound, and for cells
-above 1% the best way out the planner finds (``plan --suggest``: a smaller shard group (HSDP)
-or merged groups). It also gives the largest power-of-two
+above 1% the best ways out the planner finds (``plan --suggest``): the best smaller shard
+group (HSDP over D ranks) and the best merge of consecutive groups, each with its padding. It also gives the largest power-of-two
 (measured, not estimated) ``B`` in 8..1024 whose planned padding stays under ``--target``
 (5%): what to pick at that world size without changing the FSDP groups.
 
@@ -48,11 +48,9 @@ def cell(model_id: str, world: int, b: int, want_suggest: bool) -> dict:
            "lower_bound_ratio": mp.lower_bound_ratio, "plan_seconds": time.perf_counter() - t0,
            "valid": not mp.validate()}
     if want_suggest and mp.padding_ratio > 0.01:
-        sug = suggest(groups, world, current=mp)
-        if sug:
-            s = sug[0]
-            out["best_way_out"] = {"description": s.describe(), "padding_ratio": s.padding_ratio,
-                                   "gathered_gib": s.gathered_bytes / 2**30}
+        for s in suggest(groups, world, current=mp):  # best first: keep the best of each kind
+            out.setdefault(f"best_{s.kind}", {"description": s.describe(), "padding_ratio": s.padding_ratio,
+                                              "gathered_gib": s.gathered_bytes / 2**30})
     return out
 
 
@@ -96,7 +94,7 @@ def _markdown(report: dict, worlds, bs, target: float) -> str:
     fit = {(f["model"], f["world"]): f for f in report["largest_b"]}
     models = list(dict.fromkeys(c["model"] for c in report["cells"]))
     head = (["model", "W"] + [f"B={b}" for b in bs] + [f"largest B <= {target:.0%}", "its padding"]
-            + [f"best way out at B={b}" for b in (bs[0], bs[-1])])
+            + [f"{kind} at B={b}" for b in (bs[0], bs[-1]) for kind in ("HSDP", "merged groups")])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in models:
         for w in worlds:
@@ -106,8 +104,15 @@ def _markdown(report: dict, worlds, bs, target: float) -> str:
             f = fit[(m, w)]
             row += [str(f["B"]) if f["B"] else "none >= 8", _pct(f["padding_ratio"])]
             for b in (bs[0], bs[-1]):
-                way = by[(m, w, b)].get("best_way_out")
-                row.append(f"{way['description']}: {_pct(way['padding_ratio'])}" if way else "-")
+                for kind in ("hsdp", "merge"):
+                    way = by[(m, w, b)].get(f"best_{kind}")
+                    if way is None:
+                        row.append("-")
+                    elif kind == "hsdp":
+                        row.append(f"{way['description'].split(' (')[0].replace('shard over ', '')}: "
+                                   f"{_pct(way['padding_ratio'])}")
+                    else:
+                        row.append(f"{way['description'].replace(' consecutive groups', '')}: {_pct(way['padding_ratio'])}")
             lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
