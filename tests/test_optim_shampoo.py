@@ -404,8 +404,13 @@ def results(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("shampoo"))
     os.environ[ENV] = root
     out = {}
+    import sys
+    import time
+
     for world in (4, 3, 2, 1):  # W=4 first: it writes the checkpoint the others load
+        t0 = time.perf_counter()
         res = run_cases(world, CASES_BY_W[world], timeout=600)
+        print(f"[shampoo] W={world}: {len(CASES_BY_W[world])} cases in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         out.update({(world, k.rsplit(".", 1)[1]): v for k, v in res.items()})
     return root, out
 

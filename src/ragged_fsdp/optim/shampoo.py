@@ -44,6 +44,7 @@ State (``opt.state[p]``):
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -212,11 +213,15 @@ class Shampoo(Optimizer):
         per_row = math.prod(merged[1:])
         tiles = tiles_of(lay.shape, B)
         chunk_owner = {}
+        # non-empty runs in element order: the holder of a chunk is found by bisection
+        # (O(log W) per chunk; thousands of ranks times thousands of chunks otherwise)
+        runs = sorted((a, b, r) for r, (a, b) in enumerate(lay.ranges) if b > a)
+        starts = [a for a, _, _ in runs]
         for (s, e) in row_chunks(lay.shape, B):
-            owner = lay.holder(s, e)
-            if owner is None:
+            i = bisect.bisect_right(starts, s) - 1
+            if i < 0 or e > runs[i][1]:
                 self._cut_error(lay, name, B, merged, s, e)
-            chunk_owner[s // per_row] = owner
+            chunk_owner[s // per_row] = runs[i][2]
         a, b = lay.local_range
         row_off = a // per_row if per_row else 0
         local_rows = (b - a) // per_row if per_row else 0
