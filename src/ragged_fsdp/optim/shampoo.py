@@ -394,9 +394,10 @@ class Shampoo(Optimizer):
 
     # -- state dict ------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state dict saved at any world size (or in one process): per-element states
-        may be full tensors or DTensors of any layout; per-tile states are taken for the
-        tiles this rank owns (others are ignored) and must all be there."""
+        """Load a state dict saved at any world size (or in one process). Per-element states
+        may be full tensors or DTensors of any layout; per-tile states may be full tensors or
+        DTensors held by any rank; each is laid out for this layout's owner (the tile's data
+        lands on its owner only). Every tile key must be present (same keys on every rank)."""
         from itertools import chain
 
         held, stripped = {}, {}
