@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
 from ..models.catalog import get_model, list_models
-from ..optim.shampoo_blocks import merged_shape, shampoo_specs
+from ..optim.shampoo_blocks import shampoo_specs
 from ..planner.model import plan_model
 from ..planner.suggest import suggest
 
