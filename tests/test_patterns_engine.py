@@ -102,6 +102,20 @@ def case_chunked_loss_torchtitan_branch(rank, world):
                   _chunked(explicit=True))
 
 
+def case_chunked_loss_norm_head_list_group(rank, world):
+    """torchtitan's wrapping: [norm, head] as one list group; the decoder's forward runs only
+    the norm, the head runs per chunk afterwards and is resharded explicitly before the
+    decoder's backward, which needs the norm's weight again."""
+    def wrap(m, mesh):
+        for block in m.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard([m.norm, m.output], mesh=mesh, reshard_after_forward=False)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    compare_steps(rank, world, lambda: HiddenLlama(_tiny()), wrap, _chunked(explicit=True))
+
+
 def case_chunked_loss_head_in_root(rank, world):
     """The head is part of the root's group (not wrapped on its own)."""
     compare_steps(rank, world, lambda: HiddenLlama(_tiny()), _wrap_blocks, _chunked(explicit=False))
@@ -245,6 +259,7 @@ CASES = [
     case_chunked_loss,
     case_chunked_loss_torchtitan_branch,
     case_chunked_loss_head_in_root,
+    case_chunked_loss_norm_head_list_group,
     case_no_sync_then_sync_multi_backward,
     case_rank_dependent_granularity,
     case_dtensor_params_refused,

@@ -170,7 +170,10 @@ class FSDPState:
         if len(self.modules) > 1:
             self._to_run.discard(id(module))
             if self._to_run:
-                return self._cast_output(output)
+                # Not all modules of the list group ran yet (torchtitan's [norm, lm_head]: the
+                # head may run later, outside this forward, and be resharded explicitly):
+                # this module's backward must still find the group gathered.
+                return self._cast_output(self._register_pre_backward(output))
         if self.group is not None:
             self.group.post_forward()
         output = self._register_pre_backward(output)
