@@ -6,7 +6,9 @@
 This module exposes every zero-argument config function of torchtitan's ``llama3``,
 ``qwen3``, ``deepseek_v3`` and ``gpt_oss`` config registries under its own name
 (``llama3_debugmodel``, ``llama3_8b``, ``qwen3_0_6b``, ``deepseek_v3_16b``, ``gpt_oss_20b``,
-...). Each returns torchtitan's config unchanged except for the model spec, whose
+...). Each returns torchtitan's config unchanged except for the SPMD backend (``partial_dtensor``
+instead of the default ``spmd_types``, which hands ``fully_shard`` whole-mesh DTensors) and
+the model spec, whose
 ``parallelize_fn`` runs torchtitan's own parallelize function while torchtitan's FSDP helper
 (``torchtitan/distributed/fsdp.py``) calls ragged_fsdp's ``fully_shard`` and sees
 ragged_fsdp's ``FSDPModule``. Activation checkpointing, per-block compile, mixed precision,
@@ -166,6 +168,13 @@ def _ragged_config(fn):
         cfg = fn()
         if getattr(cfg, "model_spec", None) is not None:
             cfg.model_spec = ragged_model_spec(cfg.model_spec)
+        parallelism = getattr(cfg, "parallelism", None)
+        if parallelism is not None and getattr(parallelism, "spmd_backend", None) == "spmd_types":
+            # torchtitan's default backend hands fully_shard DTensor parameters on the whole
+            # SPMD mesh plus dp_mesh_dims; with pure data parallelism "partial_dtensor" gives
+            # the same training with plain parameters on the 1-D fsdp mesh, which is what
+            # ragged_fsdp shards. Setting the backend on the command line still wins.
+            parallelism.spmd_backend = "partial_dtensor"
         return cfg
 
     config.__module__ = __name__
