@@ -215,7 +215,7 @@ def build_config(config_fn, *, assets: str, dump: str, steps: int, seq_len: int 
     ck = cfg.checkpoint
     ck.enable = True
     ck.folder = "checkpoint"
-    ck.interval = save_interval or steps
+    ck.interval = save_interval or max(steps, 1)
     ck.last_save_model_only = False
     ck.async_mode = "disabled"
     ck.keep_latest_k = 0

@@ -25,7 +25,9 @@ from _dist import check_case, run_cases  # noqa: E402
 STEPS = 3
 LOSS_RTOL = 1e-5
 NORM_RTOL = 1e-5  # float64 norms of the full gradients
-PARAM_ATOL = 1e-5
+# AdamW moves every element by about lr (8e-4) whatever its gradient size, so elements whose
+# gradient is near zero (rarely routed experts) move by rounding noise: allow a quarter step.
+PARAM_ATOL = 2e-4
 # torchtitan's logged norm: FSDP2 sums fp32 per-shard norms; ragged_fsdp accumulates in
 # float64, so the two logged values differ by fp32 rounding of the FSDP2 side (~5e-5).
 LOGGED_NORM_RTOL = 5e-4
