@@ -47,7 +47,7 @@ def _model():
 
 def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType
 
     import ragged_fsdp.integrations.accelerate as ragged_accelerate
@@ -66,6 +66,8 @@ def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str):
     )
     acc = Accelerator(fsdp_plugin=plugin, cpu=True)
     # harness only: accelerate never takes its FSDP path on CPU (it picks MULTI_CPU / DDP)
+    # (AcceleratorState() re-reads PartialState's type, so set both)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     acc.state.distributed_type = DistributedType.FSDP
     acc.state.fsdp_plugin = plugin
     return acc
@@ -121,9 +123,9 @@ class _null:
         return False
 
 
-def _full_state(acc, model):
-    sd = acc.get_state_dict(model)  # rank 0 gets the full state dict
-    return {k: v.detach().clone() for k, v in sd.items()}
+def _full_state(acc, model, rank):
+    sd = acc.get_state_dict(model)  # collective; rank 0 gets the full state dict
+    return {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else {}
 
 
 def _rel(a, b):
@@ -151,7 +153,7 @@ def _train_and_cross_resume(rank, world, state_dict_type):
         acc = _accelerator(rank, world, ragged, state_dict_type)
         model, opt = _prepare(acc, ragged)
         losses, norms = _steps(acc, model, opt, rank, world, 1, STEPS)
-        runs[ragged] = (losses, norms, _full_state(acc, model) if rank == 0 else {})
+        runs[ragged] = (losses, norms, _full_state(acc, model, rank))
         acc.save_state(os.path.join(root, "ragged" if ragged else "fsdp2"))
         dist.barrier()
     _compare("train", runs[False], runs[True])
@@ -162,7 +164,7 @@ def _train_and_cross_resume(rank, world, state_dict_type):
         model, opt = _prepare(acc, ragged)
         acc.load_state(os.path.join(root, "fsdp2" if ragged else "ragged"))
         losses, norms = _steps(acc, model, opt, rank, world, STEPS + 1, STEPS + 1)
-        resumed[ragged] = (losses, norms, _full_state(acc, model) if rank == 0 else {})
+        resumed[ragged] = (losses, norms, _full_state(acc, model, rank))
     _compare("resume", resumed[False], resumed[True])
     # and the resumed runs continued training (a fresh model would have a different loss)
     assert abs(resumed[True][0][STEPS + 1] - runs[True][0][1]) > 1e-3

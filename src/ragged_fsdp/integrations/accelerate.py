@@ -24,6 +24,9 @@ Two torch functions accelerate calls do not know the RaggedShard placement:
   shard offsets, which RaggedShard does not have. Inside accelerate's FSDP loading it is
   replaced by a loader that broadcasts each full tensor from rank 0 (when asked) and copies
   this rank's ragged piece out of it; sharded state dicts go through DCP unchanged.
+- torch's ``_distribute_tensors`` (full optimizer state broadcast from rank 0 in
+  ``set_optimizer_state_dict``) computes ``Shard`` offsets; ragged entries copy their piece
+  out of the full tensor instead.
 
 The swaps last only while accelerate's own functions run; :func:`disable` undoes ``enable``.
 """
@@ -106,6 +109,28 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *, options=No
     return _IncompatibleKeys(missing, unexpected)
 
 
+def _distribute_tensors_ragged(local_state_dict, keys, device, pg=None):
+    """torch's ``_distribute_tensors`` (full optimizer state -> this rank's shards, used by
+    ``set_optimizer_state_dict(full_state_dict=True, broadcast_from_rank0=True)``) computes
+    Shard offsets; ragged entries copy their own piece out of the full tensor instead."""
+    torch_fn = _originals[("torch.distributed._state_dict_utils", "_distribute_tensors")]
+    plain = []
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if entry is None or torch.is_tensor(entry) or not isinstance(entry[0], RaggedDTensor):
+            plain.append(key)
+            continue
+        local_state, full = entry
+        if local_state.is_meta:
+            local_state_dict[key] = _ragged_distribute_tensor(
+                full, local_state.device_mesh, local_state.placements, src_data_rank=None
+            )
+        else:
+            local_state.copy_(full.to(device=_local(local_state).device, dtype=local_state.dtype))
+            local_state_dict[key] = local_state
+    return torch_fn(local_state_dict, plain, device, pg)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t
 
@@ -117,13 +142,17 @@ def _accelerate_sees_ragged():
     fsdp = importlib.import_module("torch.distributed.fsdp")
     tensor = importlib.import_module("torch.distributed.tensor")
     sd_mod = importlib.import_module("torch.distributed.checkpoint.state_dict")
+    sdu = importlib.import_module("torch.distributed._state_dict_utils")
     saved = [(fsdp, "fully_shard", fsdp.fully_shard), (tensor, "distribute_tensor", tensor.distribute_tensor),
-             (sd_mod, "set_model_state_dict", sd_mod.set_model_state_dict)]
+             (sd_mod, "set_model_state_dict", sd_mod.set_model_state_dict),
+             (sdu, "_distribute_tensors", sdu._distribute_tensors)]
     _originals.setdefault(("torch.distributed.checkpoint.state_dict", "set_model_state_dict"),
                           sd_mod.set_model_state_dict)
+    _originals.setdefault(("torch.distributed._state_dict_utils", "_distribute_tensors"), sdu._distribute_tensors)
     fsdp.fully_shard = _ragged_fully_shard
     tensor.distribute_tensor = _ragged_distribute_tensor
     sd_mod.set_model_state_dict = set_model_state_dict
+    sdu._distribute_tensors = _distribute_tensors_ragged
     try:
         yield
     finally:
