@@ -264,19 +264,20 @@ class FSDPModule(TorchFSDPBase):
         if g is None:
             return super()._apply(fn, recurse)
         g.reshard()
-        plain = []
-        for info in g.infos:
-            local = local_of(info.sharded).detach()
-            p = nn.Parameter(local, requires_grad=info.sharded.requires_grad)
-            info.register(p)
-            plain.append(p)
+        # A list group's modules are moved one at a time (each gets its own _apply): touch
+        # only the parameters this module's subtree registers, keep the others as they are.
+        subtree = {id(m) for m in self.modules()}
+        mine = [any(id(mod) in subtree for mod, _ in info.owners) for info in g.infos]
+        for info, moved in zip(g.infos, mine):
+            if moved:
+                info.register(nn.Parameter(local_of(info.sharded).detach(), requires_grad=info.sharded.requires_grad))
         try:
             out = super()._apply(fn, recurse)
         finally:
             new = []
-            for info in g.infos:
-                mod, name = info.owners[0]
-                new.append(mod._parameters[name].detach())
+            for info, moved in zip(g.infos, mine):
+                mod, name = next(((m, n) for m, n in info.owners if id(m) in subtree), info.owners[0])
+                new.append(mod._parameters[name].detach() if moved else None)
             g.adopt_locals(new)
         return out
 
