@@ -195,7 +195,72 @@ def case_enable_is_scoped(rank, world):
     assert not ra.is_enabled()
 
 
-CASES = [case_full_state_dict, case_sharded_state_dict, case_enable_is_scoped]
+def case_torch_fsdp_module_surface(rank, world):
+    """Our wrapped modules are torch FSDPModules; every method of torch's class is ours
+    (implemented or refused with the reason), never FSDP2's (which reads FSDP2 state)."""
+    import inspect
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from ragged_fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref.load_state_dict(model.state_dict())
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, TorchFSDPModule) and isinstance(model[0], TorchFSDPModule)
+    assert type(model[0:2]) is nn.Sequential  # containers rebuild the original class
+    for name, fn in vars(TorchFSDPModule).items():
+        if inspect.isfunction(fn) and not name.startswith("__"):
+            assert getattr(type(model), name) is not fn, f"{name} falls through to torch's FSDP2"
+    for name, args in [("set_custom_all_gather", (None,)), ("set_all_reduce_hook", (None,)),
+                       ("set_symm_mem_for_comm", ()), ("set_post_optim_event", (None,))]:
+        try:
+            getattr(model, name)(*args)
+        except NotImplementedError as e:
+            assert name in str(e), e
+        else:
+            raise AssertionError(f"{name} should be refused")
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_requires_all_reduce(False)
+    model.set_reduce_scatter_divide_factor(1.0)
+    model.set_gradient_divide_factor(None)
+    assert model._get_fsdp_state() is not None
+    x = torch.randn(4, 6)
+    assert torch.allclose(model(x), ref(x), atol=1e-6)
+    model.reset_iter_state()
+    assert torch.allclose(model(x), ref(x), atol=1e-6)
+    # torch's register_fsdp_forward_method drives our hooks through _get_fsdp_state()
+    torch.manual_seed(1)
+    s, s_ref = _Scorer(), _Scorer()
+    s_ref.load_state_dict(s.state_dict())
+    fully_shard(s, mesh=mesh)
+    register_fsdp_forward_method(s, "score")
+    assert torch.allclose(s.score(x), s_ref.score(x), atol=1e-6)
+
+
+class _Scorer(__import__("torch").nn.Module):
+    def __init__(self):
+        import torch.nn as nn
+
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def score(self, x):
+        return self.lin(x).sum(-1)
+
+
+CASES = [case_full_state_dict, case_sharded_state_dict, case_enable_is_scoped, case_torch_fsdp_module_surface]
 
 
 @pytest.fixture(scope="module")

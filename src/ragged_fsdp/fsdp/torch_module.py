@@ -66,17 +66,19 @@ class TorchFSDPBase(_TorchFSDPModule):
         this root (the failed step's gradients are lost, as in torch)."""
         st = self._fsdp_state()
         ctx = st.ctx
-        pending, ctx.in_flight = list(ctx.in_flight), []
-        for red in pending:
-            red.pending.wait()
+        ctx.retire_reductions(keep=0)
         from .param_group import TrainingState
 
         for s in ctx.all_states or [st]:
             s.training_state = TrainingState.IDLE
             s._to_run = set()
-            if s.group is not None:
-                s.group.reshard()
-                s.group.finish_iteration()
+            g = s.group
+            if g is not None:
+                g.reshard()
+                # the engine's end-of-backward bookkeeping (named per engine version)
+                done = getattr(g, "finish_backward", None) or getattr(g, "finish_iteration", None)
+                if done is not None:
+                    done()
         ctx.iter_forward_root = None
         ctx.forward_order = []
         ctx.post_forward_order.clear()
