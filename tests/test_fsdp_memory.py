@@ -150,6 +150,35 @@ def case_grad_buffer_from_first_gradient(rank, world):
     assert seen["deferred"], seen
 
 
+def case_gloo_reduction_chunked_same_bits(rank, world):
+    """Above the receive bound the gloo reduction runs in column chunks: same bits."""
+    import torch.distributed as dist
+
+    import ragged_fsdp.fsdp.collectives as col
+    from ragged_fsdp.fsdp.device import Device
+
+    comm = col.Comm.of(dist.group.WORLD)
+    dev = Device(torch.device("cpu"))
+    S = 37
+    for grad_dtype, target_dtype, accumulate, factor in [
+        (torch.float32, torch.float32, False, None), (torch.bfloat16, torch.float32, False, None),
+        (torch.float32, torch.float32, True, None), (torch.float32, torch.float32, False, 3.0),
+    ]:
+        g = torch.Generator().manual_seed(rank + 7)
+        grad = torch.randn(world * S, generator=g).to(grad_dtype)
+        start = torch.randn(S, generator=g).to(target_dtype)
+        outs = []
+        for bound in (col.GLOO_RECEIVE_BOUND_BYTES, 5 * grad.element_size() * (world - 1)):
+            old, col.GLOO_RECEIVE_BOUND_BYTES = col.GLOO_RECEIVE_BOUND_BYTES, bound
+            try:
+                target = start.clone()
+                col.reduce_scatter(dev, comm, grad, target, accumulate, factor).wait()
+            finally:
+                col.GLOO_RECEIVE_BOUND_BYTES = old
+            outs.append(target)
+        assert torch.equal(outs[0], outs[1]), (grad_dtype, accumulate, factor)
+
+
 CASES = [
     case_embedding_not_regathered,
     case_tied_embedding_always_gathered,
@@ -157,6 +186,7 @@ CASES = [
     case_embedding_group_recomputed_in_backward,
     case_unshard_in_backward_forced,
     case_grad_buffer_from_first_gradient,
+    case_gloo_reduction_chunked_same_bits,
 ]
 
 

@@ -45,6 +45,7 @@ from .collectives import Comm, all_gather, reduce_scatter
 from .consistency import check_same_layout
 from .device import Device, Pending
 from .hooks import attach_post_backward, in_backward
+from .quant_gather import attach_quant, fp8_granularity, quant_all_gather
 from .saved import eager as _eager
 from .saved import start_watch, stop_watch, watching
 from .sharded_param import local_of, make_sharded_grad, make_sharded_param, repoint
@@ -137,6 +138,7 @@ class ParamGroup:
         mp_policy,
         granularity_fn: Callable[[str, nn.Parameter], Any] | None,
         reshard_after_forward: bool | int,
+        all_gather_quant=None,
     ):
         self.modules = modules
         self.mesh = mesh
@@ -166,30 +168,35 @@ class ParamGroup:
         self._recomputed = False  # forward ran again inside backward (activation checkpointing)
         self.buffers: list[DBuffer] = []
         self.infos: list[ParamInfo] = []
+        self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self._build(params, granularity_fn)
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, params, granularity_fn) -> None:
-        # One DBuffer per (dtype, trainable, embedding) kind. Embedding weights get their own:
-        # their gradients arrive at the very end of backward (the others' near the start), and
-        # their backward needs only the indices, so that buffer is neither kept unsharded nor
-        # re-gathered for backward (see _skip_in_backward).
-        kinds: dict[tuple[torch.dtype, bool, bool], list[int]] = {}
-        for i, (_, p, owners) in enumerate(params):
-            kinds.setdefault((p.dtype, p.requires_grad, _embedding_only(owners)), []).append(i)
+        # One DBuffer per (dtype, trainable, fp8-gathered, embedding) kind. Embedding weights
+        # get their own: their gradients arrive at the very end of backward (the others' near
+        # the start), and their backward needs only the indices, so that buffer is neither
+        # kept unsharded nor re-gathered for backward (see _skip_in_backward).
+        kinds: dict[tuple[torch.dtype, bool, bool, bool], list[int]] = {}
+        quant = self.all_gather_quant
+        for i, (name, p, owners) in enumerate(params):
+            fp8 = quant is not None and quant.applies(name, p)  # fp8-gathered tensors: own buffer
+            kinds.setdefault((p.dtype, p.requires_grad, fp8, _embedding_only(owners)), []).append(i)
         W, rank = self.comm.world_size, self.comm.rank
         layouts, error = [], None
         try:
-            for (dtype, _, _), idx in kinds.items():
-                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank))
+            for (dtype, _, fp8, _), idx in kinds.items():
+                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank, fp8))
         except (ValueError, NotImplementedError, TypeError) as e:
             error = e
         # Every rank must have planned the same layout, or the all-gathers silently mix
         # different tensors (or hang when the sizes differ): one small all-reduce to check.
         check_same_layout(self.comm, self.mesh, layouts, [params[idx[0]][1].dtype for idx in kinds.values()], error, self._describe())
-        for layout, ((dtype, _, embedding), idx) in zip(layouts, kinds.items()):
+        for layout, ((dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
             compute, reduce_ = self._mp_dtypes(dtype)
             buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
+            if fp8:
+                attach_quant(buf, quant)
             b = len(self.buffers)
             if embedding:
                 self._embedding_buffers.add(b)
@@ -207,7 +214,7 @@ class ParamGroup:
                 info.register(sharded)
                 self.infos.append(info)
 
-    def _plan(self, params, idx, dtype, granularity_fn, W, rank):
+    def _plan(self, params, idx, dtype, granularity_fn, W, rank, fp8=False):
         tensors, keys = [], set()
         for j, i in enumerate(idx):
             name, p, _ = params[i]
@@ -218,6 +225,8 @@ class ParamGroup:
                     spec = parse_granularity(raw)
                 except ValueError as e:
                     raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+            if fp8:
+                spec = fp8_granularity(self.all_gather_quant, name, p.shape, spec)
             key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
             keys.add(key)
             tensors.append((key, tuple(p.shape), spec))
@@ -289,7 +298,8 @@ class ParamGroup:
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 pend = [all_gather(self.dev, self.post_forward_comm, self.buffers[b], inp=self._kept[b]) for b in todo]
             else:
-                pend = [all_gather(self.dev, self.comm, self.buffers[b]) for b in todo]
+                pend = [(quant_all_gather if self.buffers[b].quant else all_gather)(self.dev, self.comm, self.buffers[b])
+                        for b in todo]
         self._gathering = [p for p in pend if p is not None]
         self._gathered_now = todo
 
@@ -566,8 +576,9 @@ class ParamGroup:
                 info.unsharded.grad = None
         if self.reshard_after_backward:
             self.reshard()
-        for b, grad, touched in starts:
-            self._reduce(b, grad, touched)
+        with record_function("ragged_fsdp::reduce"):
+            for b, grad, touched in starts:
+                self._reduce(b, grad, touched)
         if not self.dev.overlap_reductions:
             self.ctx.retire_reductions(keep=0)
 
