@@ -145,16 +145,8 @@ def results(tmp_path_factory):
         os.environ.pop("RAGGED_TT_ROOT", None)
 
 
-# torchtitan's fused-QKV state-dict hook copies a Replicate DTensor into each wqkv parameter
-# on every checkpoint load; ragged_fsdp refuses that until issue 8 item 7 lands.
-_NEEDS_ITEM7 = "copy_ into a RaggedShard DTensor from a DTensor with placements (Replicate()"
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_torchtitan(results, case):
-    err = results[f"{case.__module__}.{case.__name__}"]
-    if err and _NEEDS_ITEM7 in err:
-        pytest.xfail("needs issue 8 item 7: copy_ of a Replicate DTensor into a ragged parameter")
     check_case(results, case, 2)
 
 
