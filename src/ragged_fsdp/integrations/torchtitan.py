@@ -32,7 +32,6 @@ import math
 from dataclasses import replace
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from ragged_fsdp.fsdp import FSDPModule
@@ -117,7 +116,6 @@ def fully_shard_for_torchtitan(module, *, shard_placement_fn=None, dp_mesh_dims=
                     "with its own FSDP all-gather (float8 / MX / NVFP4 converters); ragged_fsdp does "
                     "not run those yet. Remove the converter from the model config"
                 )
-    granularity_fn = None
     if shard_placement_fn is not None:
         user_fn = kwargs.pop("granularity_fn", None)
 
