@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# Pin torch first: 2.13.0 installs a CPU build from local disk; anything unpinned pulls CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)

@@ -32,6 +32,7 @@ from .init import (
 from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
+from .torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
 
@@ -171,13 +172,21 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
-    """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does)."""
+class FSDPModule(TorchFSDPBase):
+    """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does).
+
+    It derives from torch's own ``torch.distributed.fsdp.FSDPModule`` (through
+    :class:`~ragged_fsdp.fsdp.torch_module.TorchFSDPBase`, which overrides the rest of its
+    methods), so trainers that check ``isinstance(m, FSDPModule)`` with torch's class treat
+    our modules as FSDP2 modules."""
+
+    _orig_cls_mro_index = 4  # [FSDP<Orig>, FSDPModule, TorchFSDPBase, torch's FSDPModule, Orig]
 
     def __new__(cls, *args, **kwargs):
         # Containers re-create modules through their class (e.g. slicing a ModuleList):
         # build the original class, not the FSDP one.
-        orig = cls.__mro__[2]
+        mro = cls.__mro__
+        orig = mro[mro.index(TORCH_FSDP_MODULE) + 1]
         self = orig.__new__(orig, *args, **kwargs)
         self.__init__(*args, **kwargs)
         return self
@@ -287,6 +296,9 @@ class FSDPModule:
                 new.append(mod._parameters[name].detach() if moved else None)
             g.adopt_locals(new)
         return out
+
+
+refuse_unknown_torch_methods(FSDPModule)
 
 
 def _require_fsdp(m) -> FSDPState:

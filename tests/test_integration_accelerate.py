@@ -1,0 +1,277 @@
+"""accelerate 1.15 with ``fsdp_version=2`` trains with ragged_fsdp after
+``ragged_fsdp.integrations.accelerate.enable()`` exactly as with torch's FSDP2 (2 gloo CPU
+ranks, fp32, a tiny Hugging Face Llama built from a local config).
+
+Both runs go through ``Accelerator.prepare`` with ``cpu_ram_efficient_loading`` (the model
+is moved to meta and rank 0's full state dict is distributed, through ``distribute_tensor``),
+gradient accumulation under ``accelerator.no_sync``, ``accelerator.clip_grad_norm_`` and
+AdamW. Losses, gradient norms and the full state dict (``get_state_dict``) are compared; then
+each framework's ``save_state`` is resumed by the other with ``load_state``.
+
+Test-harness only: on CPU accelerate picks MULTI_CPU and would wrap in DDP, so the harness
+forces its distributed type to FSDP after building the Accelerator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+from _dist import check_case, global_batch, run_cases  # noqa: E402
+
+STEPS = 3
+MICRO = 2
+BATCH_PER_RANK = 2
+SEQ = 16
+VOCAB = 96
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str):
+    from accelerate import Accelerator, FullyShardedDataParallelPlugin
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DistributedType
+
+    import ragged_fsdp.integrations.accelerate as ragged_accelerate
+
+    (ragged_accelerate.enable if ragged else ragged_accelerate.disable)()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        state_dict_type=state_dict_type,
+        cpu_ram_efficient_loading=True,
+        reshard_after_forward=True,
+    )
+    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
+    # harness only: accelerate never takes its FSDP path on CPU (it picks MULTI_CPU / DDP)
+    # (AcceleratorState() re-reads PartialState's type, so set both)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    acc.state.distributed_type = DistributedType.FSDP
+    acc.state.fsdp_plugin = plugin
+    return acc
+
+
+def _prepare(acc, ragged: bool):
+    import torch
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    model, opt = acc.prepare(model, opt)
+    from torch.distributed.fsdp import FSDPModule
+
+    import ragged_fsdp
+
+    assert isinstance(model, FSDPModule)
+    assert isinstance(model, ragged_fsdp.FSDPModule) == ragged, type(model).__mro__
+    if not ragged:  # torch's FSDP2 on gloo cannot PREMUL_SUM / AVG
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_force_sum_reduction_for_comms(True)
+    return model, opt
+
+
+def _steps(acc, model, opt, rank, world, first: int, last: int):
+    import torch
+
+    losses, norms = {}, {}
+    for step in range(first, last + 1):
+        tokens, _ = global_batch(step, BATCH_PER_RANK * world * MICRO, SEQ, VOCAB)
+        total = torch.zeros(())
+        for m in range(MICRO):
+            lo = (m * world + rank) * BATCH_PER_RANK
+            x = tokens[lo:lo + BATCH_PER_RANK]
+            ctx = acc.no_sync(model) if m < MICRO - 1 else _null()
+            with ctx:
+                loss = model(input_ids=x, labels=x).loss / MICRO
+                acc.backward(loss)
+            total += loss.detach()
+        norm = acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses[step] = acc.reduce(total, reduction="mean").item()
+        norms[step] = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    return losses, norms
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def _full_state(acc, model, rank):
+    sd = acc.get_state_dict(model)  # collective; rank 0 gets the full state dict
+    return {k: v.detach().clone() for k, v in sd.items()} if rank == 0 else {}
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def _compare(what, a, b):
+    (la, na, sa), (lb, nb, sb) = a, b
+    assert list(la) == list(lb)
+    for s in la:
+        assert _rel(lb[s], la[s]) <= LOSS_RTOL, (what, s, la, lb)
+        assert _rel(nb[s], na[s]) <= NORM_RTOL, (what, s, na, nb)
+    if sa:
+        assert set(sa) == set(sb), set(sa) ^ set(sb)
+        err = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+        assert err <= PARAM_ATOL, (what, err)
+
+
+def _train_and_cross_resume(rank, world, state_dict_type):
+    import torch.distributed as dist
+
+    root = os.path.join(os.environ["RAGGED_ACC_ROOT"], state_dict_type)
+    runs = {}
+    for ragged in (False, True):
+        acc = _accelerator(rank, world, ragged, state_dict_type)
+        model, opt = _prepare(acc, ragged)
+        losses, norms = _steps(acc, model, opt, rank, world, 1, STEPS)
+        runs[ragged] = (losses, norms, _full_state(acc, model, rank))
+        acc.save_state(os.path.join(root, "ragged" if ragged else "fsdp2"))
+        dist.barrier()
+    _compare("train", runs[False], runs[True])
+    # each framework resumes the other's save_state (model, optimizer, RNG) for one more step
+    resumed = {}
+    for ragged in (False, True):
+        acc = _accelerator(rank, world, ragged, state_dict_type)
+        model, opt = _prepare(acc, ragged)
+        acc.load_state(os.path.join(root, "fsdp2" if ragged else "ragged"))
+        losses, norms = _steps(acc, model, opt, rank, world, STEPS + 1, STEPS + 1)
+        resumed[ragged] = (losses, norms, _full_state(acc, model, rank))
+    _compare("resume", resumed[False], resumed[True])
+    # and the resumed runs continued training (a fresh model would have a different loss)
+    assert abs(resumed[True][0][STEPS + 1] - runs[True][0][1]) > 1e-3
+
+
+def case_full_state_dict(rank, world):
+    _train_and_cross_resume(rank, world, "FULL_STATE_DICT")
+
+
+def case_sharded_state_dict(rank, world):
+    _train_and_cross_resume(rank, world, "SHARDED_STATE_DICT")
+
+
+def case_enable_is_scoped(rank, world):
+    """enable() swaps accelerate's FSDP2 entry points only; torch's names stay torch's outside
+    accelerate's calls, and disable() restores accelerate."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.tensor as tt
+
+    import ragged_fsdp.integrations.accelerate as ra
+
+    before = (tfsdp.fully_shard, tt.distribute_tensor)
+    ra.enable()
+    ra.enable()  # idempotent
+    assert ra.is_enabled()
+    assert (tfsdp.fully_shard, tt.distribute_tensor) == before
+    ra.disable()
+    assert not ra.is_enabled()
+
+
+def case_torch_fsdp_module_surface(rank, world):
+    """Our wrapped modules are torch FSDPModules; every method of torch's class is ours
+    (implemented or refused with the reason), never FSDP2's (which reads FSDP2 state)."""
+    import inspect
+
+    import torch
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    from ragged_fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    ref.load_state_dict(model.state_dict())
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model, TorchFSDPModule) and isinstance(model[0], TorchFSDPModule)
+    assert type(model[0:2]) is nn.Sequential  # containers rebuild the original class
+    for name, fn in vars(TorchFSDPModule).items():
+        if inspect.isfunction(fn) and not name.startswith("__"):
+            assert getattr(type(model), name) is not fn, f"{name} falls through to torch's FSDP2"
+    for name, args in [("set_custom_all_gather", (None,)), ("set_all_reduce_hook", (None,)),
+                       ("set_symm_mem_for_comm", ()), ("set_post_optim_event", (None,))]:
+        try:
+            getattr(model, name)(*args)
+        except NotImplementedError as e:
+            assert name in str(e), e
+        else:
+            raise AssertionError(f"{name} should be refused")
+    model.set_force_sum_reduction_for_comms(True)
+    model.set_requires_all_reduce(False)
+    model.set_reduce_scatter_divide_factor(1.0)
+    model.set_gradient_divide_factor(None)
+    assert model._get_fsdp_state() is not None
+    x = torch.randn(4, 6)
+    assert torch.allclose(model(x), ref(x), atol=1e-6)
+    model.reset_iter_state()
+    assert torch.allclose(model(x), ref(x), atol=1e-6)
+    # torch's register_fsdp_forward_method drives our hooks through _get_fsdp_state()
+    torch.manual_seed(1)
+    s, s_ref = _Scorer(), _Scorer()
+    s_ref.load_state_dict(s.state_dict())
+    fully_shard(s, mesh=mesh)
+    register_fsdp_forward_method(s, "score")
+    assert torch.allclose(s.score(x), s_ref.score(x), atol=1e-6)
+
+
+class _Scorer(__import__("torch").nn.Module):
+    def __init__(self):
+        import torch.nn as nn
+
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def score(self, x):
+        return self.lin(x).sum(-1)
+
+
+CASES = [case_full_state_dict, case_sharded_state_dict, case_enable_is_scoped, case_torch_fsdp_module_surface]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    os.environ["RAGGED_ACC_ROOT"] = str(tmp_path_factory.mktemp("accelerate"))
+    try:
+        return run_cases(2, CASES, timeout=600)
+    finally:
+        os.environ.pop("RAGGED_ACC_ROOT", None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
+def test_accelerate(results, case):
+    check_case(results, case, 2)
