@@ -268,8 +268,8 @@ def _shared_tmpdir(rank):
 
 # -- single process ----------------------------------------------------------------------
 
-def _m(i, n, *offs, tag=None):
-    return Member(i, n, tuple((k, o) for k, o in enumerate(offs)), tag)
+def _m(i, n, *offs, tag=None, closes=False):
+    return Member(i, n, tuple((k, o, o + n) for k, o in enumerate(offs)), tag, closes)
 
 
 def test_runs_need_adjacency_everywhere():
@@ -278,6 +278,8 @@ def test_runs_need_adjacency_everywhere():
     runs = contiguous_runs(ms)
     assert [r.indices for r in runs] == [(0, 1), (2, 3), (5,)]
     assert [r.numel for r in runs] == [7, 7, 1]
+    ms[0] = _m(0, 4, 0, 100, 0, closes=True)  # e.g. ends inside a quantisation block
+    assert [r.indices for r in contiguous_runs(ms)] == [(0,), (1,), (2, 3), (5,)]
 
 
 def test_plain_parameters_match_torch_exactly():

@@ -119,7 +119,7 @@ def adamw_grouped(
     # The step decides the scalars: a run never mixes step counts (a parameter that missed a
     # step, e.g. its gradient was None, is behind the others).
     values = [s.item() for s in steps]
-    members = [type(m)(m.index, m.numel, m.where, v) for m, v in zip(members, values)]
+    members = [m.with_tag(v) for m, v in zip(members, values)]
     step_of = {m.index: (s, v) for m, s, v in zip(members, steps, values)}
     tmp: dict = {}
     for run in contiguous_runs(members):
@@ -186,3 +186,25 @@ def _fused_chunks(p, g, m, v, vmax, step_t, chunk, **kw) -> None:
         sl = [t.narrow(0, a, k) for t in (p, g, m, v)]
         torch._fused_adamw_([sl[0]], [sl[1]], [sl[2]], [sl[3]],
                             [vmax.narrow(0, a, k)] if vmax is not None else [], [step_t], **kw)
+
+
+def restore_flat_views(opt, views: dict) -> None:
+    """After a ``load_state_dict`` that replaced state tensors (``views``: param -> {key: the
+    flat-buffer view it had}), copy each loaded value (already laid out like the parameter)
+    into its view and make the view the state again. A parameter with no saved state keeps
+    what the load gave it (an empty state: the optimizer makes a fresh one when it steps)."""
+    for p, mine in views.items():
+        st = opt.state.get(p)
+        if not st:
+            continue
+        for key, view in mine.items():
+            val = st.get(key)
+            if val is view or not isinstance(val, torch.Tensor):
+                continue
+            src, dst = local_of(val), local_of(view)
+            if src.shape != dst.shape:
+                raise ValueError(f"load_state_dict: state {key!r} has local shape {tuple(src.shape)}, "
+                                 f"the optimizer's {tuple(dst.shape)}")
+            if src.data_ptr() != dst.data_ptr():
+                dst.copy_(src)
+            st[key] = view

@@ -17,21 +17,27 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Member", "Run", "contiguous_runs", "member_of", "flat_view"]
+__all__ = ["Member", "Run", "contiguous_runs", "member_of", "where_of", "flat_view"]
 
 
 @dataclass(frozen=True)
 class Member:
     """One tensor family (parameter, gradient, states) of one parameter, by address.
 
-    ``where[k]`` is ``(storage key, element offset)`` of the k-th tensor of the family (the
-    parameter first), ``tag`` what must be equal along a run (hyperparameters, step, dtype).
+    ``where[k]`` is ``(storage key, start, end)`` (element offsets) of the k-th tensor of the
+    family (the parameter first; per-block states span fewer elements than the parameter),
+    ``tag`` what must be equal along a run (hyperparameters, step, dtype), and ``closes`` says
+    nothing may follow this member in a run (e.g. it ends inside a quantisation block).
     """
 
     index: int
     numel: int
-    where: tuple[tuple[Hashable, int], ...]
-    tag: Hashable
+    where: tuple[tuple[Hashable, int, int], ...]
+    tag: Hashable = None
+    closes: bool = False
+
+    def with_tag(self, tag: Hashable) -> "Member":
+        return Member(self.index, self.numel, self.where, tag, self.closes)
 
 
 @dataclass(frozen=True)
@@ -54,43 +60,50 @@ def contiguous_runs(members: Sequence[Member]) -> list[Run]:
     live = sorted((m for m in members if m.numel > 0), key=lambda m: (rank[m.where[0][0]], m.where[0][1], m.index))
     runs: list[Run] = []
     cur: list[Member] = []
-    end: list[tuple[Hashable, int]] = []
     for m in live:
-        if cur and m.tag == cur[0].tag and len(m.where) == len(end) and all(
-            w == e for w, e in zip(m.where, end)
+        prev = cur[-1] if cur else None
+        if prev is not None and not prev.closes and m.tag == prev.tag and len(m.where) == len(prev.where) and all(
+            w[0] == e[0] and w[1] == e[2] for w, e in zip(m.where, prev.where)
         ):
             cur.append(m)
         else:
             if cur:
                 runs.append(Run(tuple(x.index for x in cur), sum(x.numel for x in cur)))
             cur = [m]
-        end = [(k, off + m.numel) for k, off in m.where]
     if cur:
         runs.append(Run(tuple(x.index for x in cur), sum(x.numel for x in cur)))
     return runs
 
 
-def _where(t: torch.Tensor) -> tuple[Hashable, int] | None:
-    """(storage key, offset) of a contiguous tensor, or None when it is not one flat range."""
+def where_of(t: torch.Tensor) -> tuple[Hashable, int, int] | None:
+    """(storage key, start, end) of a contiguous tensor, or None when it is not one flat range."""
     if not t.is_contiguous():
         return None
     st = t.untyped_storage()
-    return ((t.device, t.dtype, st.data_ptr()), t.storage_offset())
+    o = t.storage_offset()
+    return ((t.device, t.dtype, st.data_ptr()), o, o + t.numel())
 
 
-def member_of(index: int, tensors: Sequence[torch.Tensor], tag: Hashable) -> Member | None:
-    """A :class:`Member` for local tensors ``tensors`` (parameter first, all the same numel),
-    or None when one of them is not contiguous (the caller steps it on its own)."""
+def member_of(index: int, tensors: Sequence[torch.Tensor], tag: Hashable = None, *,
+              extra: Sequence[torch.Tensor] = (), closes: bool = False) -> Member | None:
+    """A :class:`Member` for local tensors ``tensors`` (parameter first, all of its numel) and
+    ``extra`` ones of any size (per-block states), or None when one of them is not contiguous
+    or a tensor's size differs (the caller steps that parameter on its own)."""
     where = []
     n = tensors[0].numel()
     for t in tensors:
         if t.numel() != n:
             return None
-        w = _where(t)
+        w = where_of(t)
         if w is None:
             return None
         where.append(w)
-    return Member(index, n, tuple(where), tag)
+    for t in extra:
+        w = where_of(t)
+        if w is None:
+            return None
+        where.append(w)
+    return Member(index, n, tuple(where), tag, closes)
 
 
 def flat_view(t: torch.Tensor, numel: int) -> torch.Tensor:
