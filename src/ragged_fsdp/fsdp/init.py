@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from .collectives import Comm
 from .sharded_param import is_sharded_param
@@ -135,6 +136,14 @@ def collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tuple
                             f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already sharded "
                             "by the fully_shard of an enclosing module. Apply fully_shard bottom-up: "
                             "children first, then their parents"
+                        )
+                    if isinstance(p, DTensor):
+                        raise NotImplementedError(
+                            f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already a DTensor "
+                            f"on mesh {p.device_mesh.mesh_dim_names or tuple(p.device_mesh.shape)} with "
+                            f"placements {tuple(p.placements)} (tensor or expert parallelism). Composing "
+                            "fully_shard with TP/EP DTensor parameters is not supported yet; shard a model "
+                            "whose parameters are plain tensors, or use torch's fully_shard for this module"
                         )
                     ref = _managed_params.get(id(p))
                     if ref is not None and ref() is p:

@@ -40,6 +40,7 @@ from ragged_fsdp.placement import RaggedDTensor
 from ragged_fsdp.placement.dtensor import element_ranges
 
 from .collectives import Comm, all_gather, reduce_scatter
+from .consistency import check_same_layout
 from .device import Device, Pending
 from .hooks import attach_post_backward
 from .sharded_param import local_of, make_sharded_grad, make_sharded_param, repoint
@@ -88,14 +89,26 @@ class _Reduction:
 
 
 @dataclass
-class _Step:
-    """Per-iteration bookkeeping (reset by the final callback)."""
+class _Forward:
+    """What the forward calls since the group's last backward left for backward to use.
 
-    ran_forward: bool = False  # ran forward with grad enabled this iteration
-    open_calls: int = 0  # forward calls whose PostBackward node has not fired yet
-    blind_call: bool = False  # a call whose inputs needed no grad: wait for the final callback
+    Reset at the group's next forward after a backward ended, not at the end of a backward:
+    a step may run several backward passes over one forward (``retain_graph``, chunked
+    losses), and each needs to know how many calls its graph holds."""
+
+    ran: bool = False  # ran forward with grad enabled
+    calls: int = 0  # forward calls with a PostBackward node on their inputs
+    blind: bool = False  # a call whose inputs needed no grad: only the final callback sees it
+    stale: bool = False  # a backward ended since: the next forward starts a new count
+
+
+@dataclass
+class _Backward:
+    """One backward pass (reset by the final callback after every ``backward()``)."""
+
+    fired: int = 0  # PostBackward nodes of this group that ran in this backward
     post_forward_indices: list[int] = field(default_factory=list)
-    reduced: list[_Reduction] = field(default_factory=list)  # reductions issued this backward
+    reduced: list[_Reduction] = field(default_factory=list)  # reductions issued in it
 
 
 class ParamGroup:
@@ -130,7 +143,8 @@ class ParamGroup:
         self.post_forward_comm: Comm | None = None  # for reshard_after_forward=int
         self._kept: list[torch.Tensor | None] = []  # per buffer: the part kept after forward
         self._last_grad_seg: list[weakref.ref | None] = []
-        self.step = _Step()
+        self.fwd = _Forward()
+        self.bwd = _Backward()
         self.buffers: list[DBuffer] = []
         self.infos: list[ParamInfo] = []
         self._build(params, granularity_fn)
@@ -141,24 +155,16 @@ class ParamGroup:
         for i, (_, p, _) in enumerate(params):
             kinds.setdefault((p.dtype, p.requires_grad), []).append(i)
         W, rank = self.comm.world_size, self.comm.rank
-        for (dtype, trainable), idx in kinds.items():
-            tensors, keys = [], set()
-            for j, i in enumerate(idx):
-                name, p, _ = params[i]
-                spec = None
-                if granularity_fn is not None:
-                    raw = granularity_fn(name, p)
-                    try:
-                        spec = parse_granularity(raw)
-                    except ValueError as e:
-                        raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
-                key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
-                keys.add(key)
-                tensors.append((key, tuple(p.shape), spec))
-            try:
-                layout = plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
-            except (ValueError, NotImplementedError) as e:
-                raise ValueError(f"fully_shard: cannot lay out the parameters of {self._describe()}: {e}") from e
+        layouts, error = [], None
+        try:
+            for (dtype, _), idx in kinds.items():
+                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank))
+        except (ValueError, NotImplementedError, TypeError) as e:
+            error = e
+        # Every rank must have planned the same layout, or the all-gathers silently mix
+        # different tensors (or hang when the sizes differ): one small all-reduce to check.
+        check_same_layout(self.comm, self.mesh, layouts, [params[idx[0]][1].dtype for idx in kinds.values()], error, self._describe())
+        for layout, ((dtype, _), idx) in zip(layouts, kinds.items()):
             compute, reduce_ = self._mp_dtypes(dtype)
             buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
             b = len(self.buffers)
@@ -172,6 +178,25 @@ class ParamGroup:
                 info = ParamInfo(name, b, j, owners, sharded)
                 info.register(sharded)
                 self.infos.append(info)
+
+    def _plan(self, params, idx, dtype, granularity_fn, W, rank):
+        tensors, keys = [], set()
+        for j, i in enumerate(idx):
+            name, p, _ = params[i]
+            spec = None
+            if granularity_fn is not None:
+                raw = granularity_fn(name, p)
+                try:
+                    spec = parse_granularity(raw)
+                except ValueError as e:
+                    raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+            key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
+            keys.add(key)
+            tensors.append((key, tuple(p.shape), spec))
+        try:
+            return plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
+        except (ValueError, NotImplementedError) as e:
+            raise ValueError(f"fully_shard: cannot lay out the parameters of {self._describe()}: {e}") from e
 
     def _mp_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         if not dtype.is_floating_point:
@@ -276,13 +301,25 @@ class ParamGroup:
         self.unshard()
         self.wait_for_unshard()
         if torch.is_grad_enabled() and first_module:
-            self.step.ran_forward = True
+            if self.fwd.stale:
+                self.fwd = _Forward()
+            self.fwd.ran = True
             args, kwargs, attached = attach_post_backward(self._post_backward_from_autograd, args, kwargs)
             if attached:
-                self.step.open_calls += 1
+                self.fwd.calls += 1
             else:
-                self.step.blind_call = True
+                self.fwd.blind = True
         return args, kwargs
+
+    def recompute_forward(self) -> None:
+        """Forward run again inside backward (activation-checkpoint recomputation)."""
+        self.unshard()
+        self.wait_for_unshard()
+        if torch.is_grad_enabled():
+            if not self.fwd.ran:  # reentrant checkpoint: the first forward ran without grad
+                self.fwd.ran = True
+                self.fwd.blind = True
+            self._prepare_grads()
 
     def post_forward(self) -> None:
         raf = self.reshard_after_forward
@@ -292,20 +329,20 @@ class ParamGroup:
             self.reshard_post_forward()
         if torch.is_grad_enabled():
             order = self.ctx.post_forward_order
-            self.step.post_forward_indices.append(len(order))
+            self.bwd.post_forward_indices.append(len(order))
             order.append(self)
         self.training_state = TrainingState.IDLE
 
     # -- backward ------------------------------------------------------------------------
     def pre_backward(self, implicit_prefetch: bool) -> None:
-        if self.training_state is TrainingState.PRE_BACKWARD:
-            return
+        if self.training_state is TrainingState.PRE_BACKWARD and self.is_unsharded:
+            return  # another output of the same group: already prepared
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self.wait_for_unshard()
         self._prepare_grads()
-        if implicit_prefetch and self.step.post_forward_indices:
-            i = self.step.post_forward_indices.pop()
+        if implicit_prefetch and self.bwd.post_forward_indices:
+            i = self.bwd.post_forward_indices.pop()
             if i > 0:
                 self.ctx.post_forward_order[i - 1].prefetch(TrainingState.PRE_BACKWARD)
 
@@ -350,10 +387,26 @@ class ParamGroup:
         p.grad = alias
 
     def _post_backward_from_autograd(self) -> None:
-        self.step.open_calls -= 1
-        if self.step.open_calls > 0 or self.step.blind_call:
-            return  # more uses of the group are still to come in this backward
+        self.bwd.fired += 1
+        if self.bwd.fired < self.fwd.calls or self.fwd.blind:
+            # more uses of the group may still come in this backward (or in a later one,
+            # when the step runs several): the final callback reduces what has arrived
+            return
         self.post_backward()
+
+    def has_pending_grads(self) -> bool:
+        """Unsharded gradients autograd produced that no reduction has taken yet."""
+        return any(i.unsharded is not None and i.unsharded.grad is not None for i in self.infos)
+
+    def end_backward(self) -> None:
+        """The final callback of one ``backward()``: reduce what this backward produced and
+        has not reduced yet; free what it gathered."""
+        if self.training_state is TrainingState.PRE_BACKWARD or (
+            self.training_state is not TrainingState.POST_BACKWARD and self.has_pending_grads()
+        ):
+            self.post_backward()
+        elif self.reshard_after_backward and (self.sharded_state is not ShardedState.SHARDED or self._gathering is not None):
+            self.reshard()
 
     def post_backward(self) -> None:
         """The group's gradients are complete: reduce them (or keep accumulating)."""
@@ -404,7 +457,7 @@ class ParamGroup:
             if buf.world_size == 1 and grad.dtype == buf.dtype and self.gradient_divide_factor is None:
                 # nothing to reduce: the unsharded gradient buffer is the sharded one
                 red = _Reduction(b, Pending(), grad, touched, had)
-                self.step.reduced.append(red)
+                self.bwd.reduced.append(red)
                 return
             target, accumulate = buf.new_sharded_grad(), False
         else:
@@ -412,7 +465,7 @@ class ParamGroup:
             accumulate = True
         pending = reduce_scatter(self.dev, self.comm, grad, target, accumulate, self.gradient_divide_factor)
         red = _Reduction(b, pending, target, touched, had)
-        self.step.reduced.append(red)
+        self.bwd.reduced.append(red)
         self.ctx.in_flight.append(red)
 
     def _accumulation_target(self, b: int, existing: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -449,9 +502,10 @@ class ParamGroup:
                 continue
             info.sharded.grad = make_sharded_grad(buf.local_view(red.target, i), info.sharded)
 
-    def finish_iteration(self) -> None:
+    def finish_backward(self) -> None:
         self.training_state = TrainingState.IDLE
-        self.step = _Step()
+        self.bwd = _Backward()
+        self.fwd.stale = True
 
     # -- moving (nn.Module._apply, load_state_dict(assign=True)) ------------------------------
     def adopt_locals(self, locals_: list[torch.Tensor | None]) -> None:

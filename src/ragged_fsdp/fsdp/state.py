@@ -124,14 +124,7 @@ class FSDPState:
         if in_backward() or self.training_state is TrainingState.PRE_BACKWARD:
             # activation-checkpoint recomputation inside backward: parameters only
             if self.group is not None:
-                g = self.group
-                g.unshard()
-                g.wait_for_unshard()
-                if torch.is_grad_enabled():
-                    if not g.step.ran_forward:  # reentrant checkpoint: forward ran without grad
-                        g.step.ran_forward = True
-                        g.step.blind_call = True
-                    g._prepare_grads()
+                self.group.recompute_forward()
             return self._cast_inputs(args, kwargs)
         first = True
         if len(self.modules) > 1:
@@ -224,27 +217,22 @@ class FSDPState:
         states = ctx.all_states or [self]
         try:
             for st in reversed(states):
-                g = st.group
-                if g is None:
-                    continue
-                if g.step.ran_forward and g.training_state is not TrainingState.POST_BACKWARD:
-                    g.post_backward()
-                elif g.reshard_after_backward and (g.sharded_state is not ShardedState.SHARDED or g._gathering is not None):
-                    g.reshard()
+                if st.group is not None:
+                    st.group.end_backward()
             ctx.retire_reductions(keep=0)
             self._hand_out_grads(states)
         finally:
             for st in states:
                 st.training_state = TrainingState.IDLE
                 if st.group is not None:
-                    st.group.finish_iteration()
+                    st.group.finish_backward()
             ctx.post_forward_order.clear()
             ctx.callback_queued = False
 
     def _hand_out_grads(self, states: list[FSDPState]) -> None:
         """One all-reduce of the 'got a gradient' flags of every reduced tensor, then the
         sharded grads become views into the reduced segments."""
-        reds = [(st.group, r) for st in states if st.group is not None for r in st.group.step.reduced]
+        reds = [(st.group, r) for st in states if st.group is not None for r in st.group.bwd.reduced]
         if not reds:
             return
         by_pg: dict[int, list] = {}  # one all-reduce per process group, in a fixed order

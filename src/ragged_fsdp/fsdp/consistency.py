@@ -1,0 +1,98 @@
+"""Cross-rank agreement on a group's layout.
+
+Each rank plans its group's buffers on its own. If the inputs differ between ranks (a
+``granularity_fn`` or a model whose answer depends on the rank, parameters created in another
+order), the all-gathers would put one rank's tensors where another expects different ones:
+silently wrong when the buffer sizes happen to match, a collective abort when they do not.
+So ``fully_shard`` compares a 62-bit fingerprint of the layouts with one all-reduce (MAX of
+``h`` and of ``-h`` agree only if every rank has the same ``h``), and only when they differ
+pays for gathering the descriptions to say where.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["describe_layouts", "layout_fingerprint", "check_same_layout", "LayoutMismatchError"]
+
+
+class LayoutMismatchError(RuntimeError):
+    """Ranks planned different layouts for the same ``fully_shard`` group."""
+
+
+def describe_layouts(layouts, dtypes) -> list[str]:
+    """One line per tensor: what must be identical on every rank (not the rank's own piece)."""
+    lines = []
+    for b, (layout, dtype) in enumerate(zip(layouts, dtypes)):
+        lines.append(f"buffer {b}: dtype={dtype} S={layout.segment} W={layout.world_size}")
+        for s in layout.slots:
+            pl = s.placement
+            lines.append(
+                f"  {s.key}: shape={tuple(s.shape)} offset={s.offset} dims={tuple(pl.dims)} "
+                f"unit={pl.unit} local_units={tuple(pl.local_units)}"
+            )
+    return lines
+
+
+def layout_fingerprint(lines: list[str]) -> int:
+    digest = hashlib.blake2b("\n".join(lines).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 62) - 1)
+
+
+def _device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what: str) -> None:
+    """Raise on every rank if any rank failed to plan or planned something else.
+
+    ``error`` is this rank's planning failure (None if it planned): raising it before the
+    collective would leave the other ranks waiting in theirs until the timeout."""
+    if comm.world_size == 1:
+        if error is not None:
+            raise error
+        return
+    lines = [] if error is not None else describe_layouts(layouts, dtypes)
+    h = layout_fingerprint(lines) if error is None else 0
+    flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=_device(mesh))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+    failed, hi, neg_lo = (int(x) for x in flags.tolist())
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"fully_shard: another rank could not lay out the parameters of {what} (see its "
+            "error); every rank must pass the same parameters and granularity_fn answers"
+        )
+    if hi == h and -neg_lo == h:
+        return
+    everyone: list = [None] * comm.world_size
+    dist.all_gather_object(everyone, lines, group=comm.group)
+    mine = everyone[comm.rank]
+    diff = ""
+    for r, other in enumerate(everyone):
+        if other == mine:
+            continue
+        # name the first tensor that differs (the per-buffer header only if none does)
+        for only_tensors in (True, False):
+            pairs = [(a, b) for a, b in zip(_pad(mine, other), _pad(other, mine))
+                     if a != b and (a.startswith("  ") or b.startswith("  ") or not only_tensors)]
+            if pairs:
+                a, b = pairs[0]
+                diff = f"rank {comm.rank} has\n    {a.strip()}\nrank {r} has\n    {b.strip()}"
+                break
+        break
+    raise LayoutMismatchError(
+        f"fully_shard: ranks planned different layouts for {what}; {diff}\n"
+        "The parameters (names, shapes, dtypes, order) and the granularity_fn answers must be "
+        "the same on every rank: a granularity_fn must not depend on the rank"
+    )
+
+
+def _pad(a: list[str], b: list[str]) -> list[str]:
+    return a + ["<none>"] * (len(b) - len(a))

@@ -1,0 +1,244 @@
+"""Training patterns real trainers use, against single-process training (gloo, W = 2, 3).
+
+Each case runs the same step function on the wrapped model (local batch) and on an
+unwrapped copy (global batch): several backward passes per step (``retain_graph``, two
+forwards then two backwards, torchtitan's chunked loss with and without its explicit
+``unshard``/``reshard`` branch), and a wrapped model that is compiled. Checked: the first
+step's full gradients per tensor (1e-5 relative; a gradient a group drops shows up here,
+AdamW would hide it), and the parameters after a few SGD steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _dist import check_case, cpu_mesh, full, global_batch, run_cases
+
+from ragged_fsdp.fsdp import fully_shard
+from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+
+def _ce(logits, y):
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _hidden(m, tokens):
+    h = m.tok_embeddings(tokens)
+    for layer in m.layers:
+        h = layer(h, m.rope_cos, m.rope_sin)
+    return m.norm(h)
+
+
+class HiddenLlama(Llama):
+    """forward returns the final hidden states; the head runs outside (chunked losses)."""
+
+    def forward(self, tokens):
+        return _hidden(self, tokens)
+
+
+def _wrap_blocks(model, mesh, head_group=False, **kw):
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **kw)
+    if head_group:
+        fully_shard(model.output, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_per_rank=2, seq=8,
+                  grad_rtol=1e-5, param_atol=1e-5):
+    """``step_fn(model, tokens, targets, distributed)`` runs forward(s) and backward(s)."""
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    ref = build()
+    torch.manual_seed(0)
+    model = wrap(build(), mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    B = batch_per_rank * world
+    for step in range(steps):
+        tokens, targets = global_batch(step, B, seq, ref.cfg.vocab_size)
+        step_fn(ref, tokens, targets, False)
+        lo = rank * batch_per_rank
+        step_fn(model, tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank], True)
+        named = dict(model.named_parameters())
+        for name, q in ref.named_parameters():
+            p = named[name]
+            assert (p.grad is None) == (q.grad is None), f"step {step}: {name}.grad None mismatch"
+            if q.grad is None or step > 0:
+                continue
+            g = full(p.grad)
+            err = (g - q.grad).norm().item() / max(q.grad.norm().item(), 1e-12)
+            assert err <= grad_rtol, f"{name}: gradient relative error {err:.2e} > {grad_rtol}"
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    named = dict(model.named_parameters())
+    for name, q in ref.named_parameters():
+        err = (full(named[name]).detach() - q.detach()).abs().max().item()
+        assert err <= param_atol, f"{name}: max |param - reference| = {err:.2e}"
+    return model
+
+
+def _tiny(**kw):
+    return LlamaConfig.tiny(n_layers=2, **kw)
+
+
+# -- several backward passes per step -------------------------------------------------------
+def _two_losses_retain_graph(m, t, y, distributed):
+    logits = m(t)
+    half = t.shape[1] // 2
+    l1 = _ce(logits[:, :half], y[:, :half]) * 0.3
+    l2 = _ce(logits[:, half:], y[:, half:]) * 0.7
+    l1.backward(retain_graph=True)
+    l2.backward()
+
+
+def case_two_losses_retain_graph(rank, world):
+    compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, _two_losses_retain_graph)
+
+
+def _two_forwards_two_backwards(m, t, y, distributed):
+    b = t.shape[0] // 2
+    la = _ce(m(t[:b]), y[:b]) / 2
+    lb = _ce(m(t[b:]), y[b:]) / 2
+    la.backward()
+    lb.backward()
+
+
+def case_two_forwards_two_backwards(rank, world):
+    compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, _two_forwards_two_backwards)
+
+
+def case_three_backwards_tied(rank, world):
+    def step(m, t, y, distributed):
+        logits = m(t)
+        third = t.shape[1] // 4
+        parts = [(0, third), (third, 2 * third), (2 * third, t.shape[1])]
+        for i, (a, b) in enumerate(parts):
+            _ce(logits[:, a:b], y[:, a:b]).mul(1 / 3).backward(retain_graph=i < 2)
+
+    compare_steps(rank, world, lambda: Llama(_tiny(tie_embeddings=True)), _wrap_blocks, step)
+
+
+def _chunked(explicit: bool, chunks: int = 4):
+    """torchtitan's chunked loss: the head runs once per chunk with its own backward, then
+    the accumulated hidden-state gradient goes through the decoder in one more backward."""
+
+    def step(m, t, y, distributed):
+        h = m(t)
+        hd = h.detach()
+        acc = torch.zeros_like(hd)
+        head = m.output
+        fsdp_head = distributed and explicit
+        if fsdp_head:
+            head.set_reshard_after_forward(False)
+            head.set_reshard_after_backward(False)
+            head.set_requires_gradient_sync(False, recurse=False)
+            head.unshard()
+        n = t.shape[1] // chunks
+        for i in range(chunks):
+            if fsdp_head and i == chunks - 1:
+                head.set_requires_gradient_sync(True, recurse=False)
+            hc = hd[:, i * n:(i + 1) * n].contiguous().requires_grad_(True)
+            loss = _ce(head(hc), y[:, i * n:(i + 1) * n]) / chunks
+            loss.backward()
+            acc[:, i * n:(i + 1) * n] = hc.grad
+        if fsdp_head:
+            head.set_reshard_after_forward(True)
+            head.set_reshard_after_backward(True)
+            head.set_requires_gradient_sync(True, recurse=False)
+            head.reshard()
+        h.backward(acc)
+
+    return step
+
+
+def case_chunked_loss(rank, world):
+    compare_steps(rank, world, lambda: HiddenLlama(_tiny()), lambda m, mesh: _wrap_blocks(m, mesh, head_group=True),
+                  _chunked(explicit=False))
+
+
+def case_chunked_loss_torchtitan_branch(rank, world):
+    compare_steps(rank, world, lambda: HiddenLlama(_tiny()), lambda m, mesh: _wrap_blocks(m, mesh, head_group=True),
+                  _chunked(explicit=True))
+
+
+def case_chunked_loss_head_in_root(rank, world):
+    """The head is part of the root's group (not wrapped on its own)."""
+    compare_steps(rank, world, lambda: HiddenLlama(_tiny()), _wrap_blocks, _chunked(explicit=False))
+
+
+def case_no_sync_then_sync_multi_backward(rank, world):
+    """Deferred reduction: two backwards without sync, the last one with it."""
+
+    def step(m, t, y, distributed):
+        b = t.shape[0] // 2
+        if distributed:
+            m.set_requires_gradient_sync(False)
+        _ce(m(t[:b]), y[:b]).div(2).backward()
+        if distributed:
+            m.set_requires_gradient_sync(True)
+        _ce(m(t[b:]), y[b:]).div(2).backward()
+
+    compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step)
+
+
+# -- input that must be refused --------------------------------------------------------------
+def case_rank_dependent_granularity(rank, world):
+    """Same buffer size on every rank but a different layout: must not train silently."""
+    from ragged_fsdp.fsdp.consistency import LayoutMismatchError
+
+    mesh = cpu_mesh(world)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))
+    gran = (lambda n, p: "row") if rank == 0 else (lambda n, p: "tensor" if p.dim() == 2 else None)
+    with pytest.raises(LayoutMismatchError, match="granularity_fn must not depend on the rank"):
+        fully_shard(model, mesh=mesh, granularity_fn=gran)
+    # different parameter shapes (buffer sizes differ): an error, not a gloo abort
+    model = nn.Linear(16, 8 + rank)
+    with pytest.raises(LayoutMismatchError, match="shape="):
+        fully_shard(model, mesh=mesh)
+    # one rank's granularity_fn is invalid: every rank raises, none hangs
+    model = nn.Linear(16, 8)
+    bad = (lambda n, p: "rows:0") if rank == world - 1 else None
+    with pytest.raises(ValueError):
+        fully_shard(model, mesh=mesh, granularity_fn=bad)
+
+
+def case_dtensor_params_refused(rank, world):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = cpu_mesh(world)
+    model = nn.Linear(8, 8 * world)
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+    with pytest.raises(NotImplementedError, match=r"'weight'.*Shard\(dim=0\)"):
+        fully_shard(model, mesh=mesh)
+
+
+CASES = [
+    case_two_losses_retain_graph,
+    case_two_forwards_two_backwards,
+    case_three_backwards_tied,
+    case_chunked_loss,
+    case_chunked_loss_torchtitan_branch,
+    case_chunked_loss_head_in_root,
+    case_no_sync_then_sync_multi_backward,
+    case_rank_dependent_granularity,
+    case_dtensor_params_refused,
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    return request.param, run_cases(request.param, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_pattern(results, case):
+    world, res = results
+    check_case(res, case, world)
