@@ -180,7 +180,7 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
 
             runs[v] = step
             passes[v] = (model, fwd_bwd, opt)
-            for _ in range(2):  # warm-up: optimizer state, allocator
+            for _ in range(1 if cfg.quick else 2):  # warm-up: optimizer state, allocator
                 step()
         times = {v: [] for v in variants}
         for r in range(cfg.rounds):
