@@ -264,6 +264,64 @@ def case_load_state_dict_full_tensors(rank, world):
         assert torch.equal(p.full_tensor(), q.full_tensor())
 
 
+def case_muon_adamw_groups_bitwise(rank, world):
+    """Muon's use_muon=False groups take the grouped path: torch.optim.AdamW's bits."""
+    from ragged_fsdp.optim import Muon
+
+    model, ref = _models(world)
+    opt = Muon([{"params": list(model.parameters()), "use_muon": False, "lr": 1e-2}])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=False)
+    for step in range(3):
+        _backward_then_set_grads(model, ref, step)
+        opt.step()
+        ref_opt.step()
+    _check_same(model, ref, opt, ref_opt, "muon adamw")
+    ptrs = {opt.state[p]["exp_avg"]._local_tensor.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(ptrs) == 1, "one flat exp_avg buffer for the group"
+
+
+def case_adamw8bit_grouped_equals_per_parameter(rank, world):
+    """AdamW8bit over runs in chunks of whole blocks == its per-parameter step, bit for bit
+    (8-bit and fp32-state tensors, chunk edges inside tensors)."""
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+    from ragged_fsdp.optim import AdamW8bit
+
+    mesh = init_device_mesh("cpu", (world,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = Llama(LlamaConfig.tiny())
+        fn = AdamW8bit.granularity_for(256, 1024)
+        for b in m.layers:
+            rf.fully_shard(b, mesh=mesh, granularity_fn=fn)
+        rf.fully_shard(m, mesh=mesh, granularity_fn=fn)
+        models.append(m)
+    a, b = models
+    oa = AdamW8bit(a.parameters(), lr=1e-2, min_8bit_size=1024)
+    oa.chunk_size = 512
+    ob = AdamW8bit(b.parameters(), lr=1e-2, min_8bit_size=1024)
+    ob.grouped = False
+    t = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    for step in range(3):
+        for m in (a, b):
+            m.loss(t[:, :-1], t[:, 1:]).backward()
+        g = torch.Generator().manual_seed(step)
+        for pa, pb in zip(a.parameters(), b.parameters()):
+            full = torch.randn(pa.shape, generator=g)
+            r0, r1 = pa.ragged_placement.element_range(tuple(pa.shape), pa.device_mesh.get_local_rank(0))
+            for p in (pa, pb):
+                p.grad._local_tensor.copy_(full.reshape(-1)[r0:r1].view(p.grad._local_tensor.shape))
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    assert oa.last_step_stats["fallback"] == 0 and oa.last_step_stats["runs"] < oa.last_step_stats["grouped"]
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.full_tensor(), pb.full_tensor())
+        for k, v in oa.state[pa].items():
+            assert torch.equal(_full(v), _full(ob.state[pb][k])), k
+
+
 def _full(t):
     return t.full_tensor() if isinstance(t, rf.RaggedDTensor) else t
 
@@ -314,6 +372,27 @@ def test_plain_parameters_match_torch_exactly():
         ob.step()
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert oa.state_dict()["state"].keys() == ob.state_dict()["state"].keys()
+
+
+def test_loose_tensors_take_torchs_path():
+    """Tensors that are not one flat range (a transposed view) step through torch's code."""
+    from ragged_fsdp.optim._grouped import adamw_grouped
+
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(4, 6, generator=g), torch.randn(10, generator=g)]
+    grads = [torch.randn(4, 6, generator=g).t(), torch.randn(10, generator=g)]
+    ours = [base[0].clone().t(), base[1].clone()]
+    ref = [base[0].clone().t(), base[1].clone()]
+    st = [([torch.zeros_like(x) for x in ours], [torch.zeros_like(x) for x in ours], [torch.tensor(0.0) for _ in ours])
+          for _ in range(2)]
+    kw = dict(amsgrad=False, beta1=0.9, beta2=0.99, lr=0.1, weight_decay=0.1, eps=1e-8, maximize=False)
+    stats = adamw_grouped(ours, grads, st[0][0], st[0][1], [], st[0][2], **kw)
+    from torch.optim.adamw import adamw
+
+    adamw(ref, grads, st[1][0], st[1][1], [], st[1][2], foreach=False, **kw)
+    assert stats["loose"] == 1 and stats["runs"] == 1
+    assert all(torch.equal(x, y) for x, y in zip(ours, ref))
+    assert [s.item() for s in st[0][2]] == [1.0, 1.0]
 
 
 def test_bad_chunk_size():

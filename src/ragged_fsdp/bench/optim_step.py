@@ -42,7 +42,7 @@ from .engine import _free_port, build
 
 
 def _variants(model, model8, mesh, sweep: bool):
-    from torch.optim.adam import _single_tensor_adam
+    from torch.optim.adamw import adamw as torch_adamw
 
     from ragged_fsdp.optim import AdamW, AdamW8bit, Muon
 
@@ -62,10 +62,9 @@ def _variants(model, model8, mesh, sweep: bool):
 
         @torch.no_grad()
         def step(self):
-            _single_tensor_adam(self.locals, [p.grad._local_tensor for p in params], self.m, self.v, [],
-                                self.steps, None, None, amsgrad=False, has_complex=False, beta1=0.9,
-                                beta2=0.999, lr=lr, weight_decay=1e-2, eps=1e-8, maximize=False,
-                                capturable=False, differentiable=False, decoupled_weight_decay=True)
+            torch_adamw(self.locals, [p.grad._local_tensor for p in params], self.m, self.v, [], self.steps,
+                        foreach=False, fused=False, amsgrad=False, beta1=0.9, beta2=0.999, lr=lr,
+                        weight_decay=1e-2, eps=1e-8, maximize=False)
 
     out["torch single, local"] = LocalSingle()
     out["ragged AdamW"] = AdamW(params, lr=lr)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.optim.adam import _single_tensor_adam
+from torch.optim.adamw import adamw as _torch_adamw
 
 from ._layout import like_param, local_of
 from ._runs import contiguous_runs, flat_view, member_of
@@ -86,7 +86,8 @@ def adamw_grouped(
 ) -> dict:
     """One AdamW step on *local* (plain) tensors, as ``torch.optim.adam._single_tensor_adam``
     with decoupled weight decay, over contiguous runs in chunks. ``state_steps`` are
-    incremented. With ``fused=True`` each chunk is one ``torch._fused_adamw_`` call instead
+    incremented (torch's functional ``adamw(foreach=False)`` steps the few tensors that are not one
+    flat range). With ``fused=True`` each chunk is one ``torch._fused_adamw_`` call instead
     (torch's fused arithmetic: within 1 ulp of the single-tensor one).
 
     Returns counts for reports: ``{"runs": ..., "loose": ..., "chunks": ...}``.
@@ -104,13 +105,12 @@ def adamw_grouped(
             m = member_of(i, ts, tag=None)
         (loose if m is None else members).append(i if m is None else m)
     if loose:  # not one flat range (non-contiguous, mixed dtypes): torch's own per-tensor code
-        _single_tensor_adam(
+        _torch_adamw(
             [params[i] for i in loose], [grads[i] for i in loose], [exp_avgs[i] for i in loose],
             [exp_avg_sqs[i] for i in loose], [max_exp_avg_sqs[i] for i in loose] if amsgrad else [],
-            [state_steps[i] for i in loose], None, None, amsgrad=amsgrad,
+            [state_steps[i] for i in loose], foreach=False, fused=False, amsgrad=amsgrad,
             has_complex=any(torch.is_complex(params[i]) for i in loose), beta1=beta1, beta2=beta2,
-            lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize, capturable=False,
-            differentiable=False, decoupled_weight_decay=True)
+            lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
         stats["loose"] = len(loose)
     if not members:
         return stats

@@ -15,7 +15,7 @@ through the DTensor dispatcher once per parameter and op. Instead:
   hyperparameters and step count, and runs torch's single-tensor AdamW ops over each run in
   chunks of ``chunk_size`` elements (:mod:`._grouped`), on local tensors.
 
-What falls back to torch's own code (``torch.optim.adam.adam`` with the group's ``foreach``
+What falls back to torch's own code (``torch.optim.adamw.adamw`` with the group's ``foreach``
 /``fused`` flags, per tensor): parameters that are not RaggedDTensors (plain tensors, torch
 DTensors), gradients that are not RaggedDTensors of the parameter's local shape, groups with
 ``capturable``/``differentiable`` or tensor ``lr``/``betas``, and steps under a GradScaler's
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
-from torch.optim.adam import adam as _torch_adam
+from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..placement.dtensor import RaggedDTensor
@@ -163,12 +163,11 @@ class AdamW(torch.optim.AdamW):
         lists: tuple[list, ...] = ([], [], [], [], [], [])
         has_complex = self._init_group(sub, *lists)
         b1, b2 = group["betas"]
-        _torch_adam(*lists, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=b1, beta2=b2,
-                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
-                    differentiable=group["differentiable"], fused=group["fused"],
-                    grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None),
-                    decoupled_weight_decay=True)
+        _torch_adamw(*lists, amsgrad=group["amsgrad"], has_complex=has_complex, beta1=b1, beta2=b2,
+                     lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
+                     differentiable=group["differentiable"], fused=group["fused"],
+                     grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
 
     # -- state dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
