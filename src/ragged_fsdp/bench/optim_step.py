@@ -80,11 +80,13 @@ def _variants(model, model8, mesh, sweep: bool):
     return out
 
 
-def _step_temporaries(opt) -> int:
-    """Peak bytes allocated during one step beyond what was live before it."""
+def _step_temporaries(opt, model) -> int:
+    """Peak bytes allocated during one step beyond what was live before it (parameters,
+    gradients and states are tracked first, so views of them do not count as new memory)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
+    mt.track_external(model, opt)
     with mt:
         before = sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("current").values())
         opt.step()
@@ -137,7 +139,8 @@ def _rank(rank: int, world: int, port: int, models, rounds: int, steps: int, que
             "local_elements": sum(p._local_tensor.numel() for p in model.parameters()),
             "step_ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
             "vs_torch_foreach": {n: statistics.median(a / b for a, b in zip(t, base)) for n, t in times.items()},
-            "temporaries_bytes": {n: _step_temporaries(opts[n]) for n in names if hasattr(opts[n], "param_groups")},
+            "temporaries_bytes": {n: _step_temporaries(opts[n], model8 if "8bit" in n else model)
+                                  for n in names if hasattr(opts[n], "param_groups")},
             "stats": {n: dict(getattr(opts[n], "last_step_stats", {}) or {}) for n in names},
         }
         report[kind] = res
