@@ -35,7 +35,7 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from ._grouped import DEFAULT_CHUNK, flat_states, restore_flat_views, storage_order
 from ._grouped8bit import Item, adamw8bit_grouped
-from ._layout import Layout, blocks_like, layout_of, like_param, local_of, param_name
+from ._layout import Layout, blocks_like, layout_of, local_of, param_name
 from .muon import _load_resharded
 from .quant import dequantize_blockwise, num_blocks, quantize_blockwise, signed_map, unsigned_map
 from .routing import adamw8bit_granularity, check_finite
