@@ -16,6 +16,11 @@ block, every block is dequantised, updated and quantised exactly as on one devic
 and states are the same bits at every world size. A layout that cuts a block is rejected with
 an error that names the parameter and the fix (``granularity_fn=AdamW8bit.granularity``).
 
+The step runs over contiguous runs of parameters (adjacent in the parameter, gradient, code
+and absmax buffers; states are flat buffers per param group whose views are the per-parameter
+states) in chunks of whole blocks (:mod:`._grouped8bit`): the same bits as the per-parameter
+step (``opt.grouped = False``) with temporaries of one chunk instead of one parameter.
+
 State (``opt.state[p]``, DTensors for sharded parameters so checkpoints can reshard them):
 
 * ``step``: float32 scalar tensor;
