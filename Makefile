@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench plan clean
+.PHONY: demo test bench plan clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,13 @@ bench: $(STAMP)
 
 plan: $(STAMP)
 	$(BIN)/python -m ragged_fsdp plan --model llama3-70b,gpt-oss-120b,deepseek-v3 --world 1024,8192 --granularity row,rows:128 --suggest
+
+# On the lent GPU machine (its own python3 and torch 2.11, no venv, nothing installable):
+# the CUDA tests and a W=1 CUDA bench against FSDP2. Meant to finish in under 5 minutes.
+gpu-check:
+	PYTHONPATH=src python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+	PYTHONPATH=src timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp_cuda.py
+	mkdir -p $${OUT:-out} && PYTHONPATH=src timeout 240 python3 -m ragged_fsdp.bench.gpu --json $${OUT:-out}/gpu_bench.json
 
 clean:
 	rm -rf $(VENV) out build src/*.egg-info

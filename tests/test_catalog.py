@@ -23,7 +23,7 @@ def test_parameter_counts(model, billions):
 def test_ids_and_variants():
     base = list_models()
     assert base == ["llama3-8b", "llama3-70b", "llama3-405b", "gpt-oss-20b", "gpt-oss-120b",
-                    "deepseek-v3", "qwen3-30b-a3b"]
+                    "deepseek-v3", "kimi-k2", "qwen3-30b-a3b"]
     allv = list_models(include_variants=True)
     assert {"gpt-oss-20b:separate", "gpt-oss-120b:separate", "deepseek-v3:fused", "qwen3-30b-a3b:fused"} <= set(allv)
     assert get_model("gpt-oss-120b", variant="separate").id == "gpt-oss-120b:separate"

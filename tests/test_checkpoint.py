@@ -71,7 +71,9 @@ def test_atomic_save_publish_list_keep(tmp_path):
     assert not [n for n in os.listdir(root) if n.startswith(".")], os.listdir(root)
     # a plain, unpublished directory is still a DCP checkpoint
     assert os.path.isfile(os.path.join(last.path, ".metadata"))
-    assert ck.load_latest(tmp_path / "empty") is None
+    assert ck.load_latest(tmp_path / "empty", missing_ok=True) is None
+    with pytest.raises(FileNotFoundError, match="missing_ok=True"):
+        ck.load_latest(tmp_path / "empty")
 
 
 def test_load_names_every_mismatch_and_loads_nothing(tmp_path):

@@ -12,81 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from _dist import check_case, cpu_mesh, full, global_batch, run_cases
+from _dist import check_case, cpu_mesh, run_cases
+from _patterns import HiddenLlama, _ce, _tiny, _wrap_blocks, compare_steps
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.models.llama import Llama, LlamaConfig
-
-
-def _ce(logits, y):
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def _hidden(m, tokens):
-    h = m.tok_embeddings(tokens)
-    for layer in m.layers:
-        h = layer(h, m.rope_cos, m.rope_sin)
-    return m.norm(h)
-
-
-class HiddenLlama(Llama):
-    """forward returns the final hidden states; the head runs outside (chunked losses)."""
-
-    def forward(self, tokens):
-        return _hidden(self, tokens)
-
-
-def _wrap_blocks(model, mesh, head_group=False, **kw):
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, **kw)
-    if head_group:
-        fully_shard(model.output, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
-    return model
-
-
-def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_per_rank=2, seq=8,
-                  grad_rtol=1e-5, param_atol=1e-5):
-    """``step_fn(model, tokens, targets, distributed)`` runs forward(s) and backward(s)."""
-    mesh = cpu_mesh(world)
-    torch.manual_seed(0)
-    ref = build()
-    torch.manual_seed(0)
-    model = wrap(build(), mesh)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
-    B = batch_per_rank * world
-    for step in range(steps):
-        tokens, targets = global_batch(step, B, seq, ref.cfg.vocab_size)
-        step_fn(ref, tokens, targets, False)
-        lo = rank * batch_per_rank
-        step_fn(model, tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank], True)
-        named = dict(model.named_parameters())
-        for name, q in ref.named_parameters():
-            p = named[name]
-            assert (p.grad is None) == (q.grad is None), f"step {step}: {name}.grad None mismatch"
-            if q.grad is None or step > 0:
-                continue
-            g = full(p.grad)
-            err = (g - q.grad).norm().item() / max(q.grad.norm().item(), 1e-12)
-            assert err <= grad_rtol, f"{name}: gradient relative error {err:.2e} > {grad_rtol}"
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    named = dict(model.named_parameters())
-    for name, q in ref.named_parameters():
-        err = (full(named[name]).detach() - q.detach()).abs().max().item()
-        assert err <= param_atol, f"{name}: max |param - reference| = {err:.2e}"
-    return model
-
-
-def _tiny(**kw):
-    return LlamaConfig.tiny(n_layers=2, **kw)
+from ragged_fsdp.fsdp.device import _in_flight, drain
+from ragged_fsdp.models.llama import Llama
 
 
 # -- several backward passes per step -------------------------------------------------------
@@ -189,6 +122,91 @@ def case_no_sync_then_sync_multi_backward(rank, world):
     compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step)
 
 
+# -- torch.compile of a wrapped model ----------------------------------------------------------
+def _plain_step(m, t, y, distributed):
+    _ce(m(t), y).backward()
+
+
+def _compiled(backend, whole=True):
+    def wrap(model, mesh):
+        model = _wrap_blocks(model, mesh)
+        if whole:
+            return torch.compile(model, backend=backend)
+        for block in model.layers:
+            block.compile(backend=backend)
+        return model
+
+    return wrap
+
+
+def case_compile_eager_and_aot_eager(rank, world):
+    import torch._dynamo
+
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        compare_steps(rank, world, lambda: Llama(_tiny()), _compiled(backend), _plain_step, steps=2)
+    torch._dynamo.reset()
+    compare_steps(rank, world, lambda: Llama(_tiny()), _compiled("aot_eager", whole=False), _plain_step, steps=2)
+
+
+def case_compile_inductor(rank, world):
+    """Inductor compiles C++ kernels per rank (about a minute on 2 cores): W = 2 only."""
+    import torch._dynamo
+
+    if world != 2:
+        return
+    torch._dynamo.reset()
+    compare_steps(rank, world, lambda: Llama(_tiny(n_layers=1)), _compiled("inductor"), _plain_step,
+                  steps=2, grad_rtol=1e-4, param_atol=1e-4)
+
+
+# -- meta-device init of list groups -----------------------------------------------------------
+def case_meta_init_list_group_to_empty(rank, world):
+    """fully_shard([embedding, head]) on a meta-built model, then to_empty and init."""
+    cfg = _tiny(tie_embeddings=False)
+
+    def build():
+        m = Llama(cfg)
+        torch.manual_seed(1)
+        m.init_weights()
+        return m
+
+    def wrap(_, mesh):
+        with torch.device("meta"):
+            m = Llama(cfg)
+        for block in m.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard([m.tok_embeddings, m.output], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        m.to_empty(device="cpu")
+        torch.manual_seed(1)
+        m.init_weights()
+        return m
+
+    compare_steps(rank, world, build, wrap, _plain_step, steps=2)
+
+
+def case_unconsumed_prefetch_is_drained(rank, world):
+    """An async unshard nobody waits for, and a backward prefetch of a group that keeps its
+    parameters after backward: nothing may stay in flight (gloo aborts at exit on it)."""
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    model = _wrap_blocks(Llama(_tiny()), mesh)
+    model.layers[0].set_reshard_after_backward(False)
+    model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
+    t = torch.randint(0, 96, (2, 8))
+    model.loss(t, t).backward()
+    assert not list(_in_flight)
+    model.reshard()
+    for block in model.layers:
+        block.reshard()
+    handle = model.layers[1].unshard(async_op=True)
+    assert list(_in_flight)
+    drain()
+    assert not list(_in_flight)
+    handle.wait()
+
+
 # -- input that must be refused --------------------------------------------------------------
 def case_rank_dependent_granularity(rank, world):
     """Same buffer size on every rank but a different layout: must not train silently."""
@@ -230,6 +248,10 @@ CASES = [
     case_no_sync_then_sync_multi_backward,
     case_rank_dependent_granularity,
     case_dtensor_params_refused,
+    case_compile_eager_and_aot_eager,
+    case_compile_inductor,
+    case_meta_init_list_group_to_empty,
+    case_unconsumed_prefetch_is_drained,
 ]
 
 

@@ -1,10 +1,11 @@
 """ragged_fsdp: fully sharded data parallelism that keeps the structure of tensors."""
 from .fsdp import FSDPModule, UnshardHandle, fully_shard
+from .quant import BlockFP8
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
 
 __version__ = "0.1.0"
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
-    "__version__",
+    "BlockFP8", "__version__",
 ]

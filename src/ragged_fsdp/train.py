@@ -37,6 +37,7 @@ class TrainConfig:
     data: str | None = None
     out: str = "out/demo"
     seed: int = 0
+    heldout: float = 0.0  # >0: train on the first 1-heldout of the tokens, report the loss on the rest
     frameworks: tuple[str, ...] = field(default_factory=lambda: ("ragged_fsdp", "fsdp2"))
 
 
@@ -52,11 +53,21 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 
 
 def shard(model: torch.nn.Module, framework: str, mesh, granularity_fn=None) -> torch.nn.Module:
-    """Wrap each transformer block, then the root, as FSDP users do."""
+    """Wrap each transformer block, then the root, as FSDP users do. ``ragged_fsdp:bf16``
+    computes in bf16 (fp32 reduction); ``ragged_fsdp:fp8`` also gathers weights as block fp8."""
+    framework, _, variant = framework.partition(":")
     if framework == "ragged_fsdp":
-        from . import fully_shard
+        from . import BlockFP8, fully_shard
 
         kw = {"granularity_fn": granularity_fn} if granularity_fn else {}
+        if variant in ("bf16", "fp8"):
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if variant == "fp8":
+            kw["all_gather_quant"] = BlockFP8()
+        elif variant not in ("", "bf16"):
+            raise ValueError(f"framework ragged_fsdp:{variant}: expected ragged_fsdp, ragged_fsdp:bf16 or ragged_fsdp:fp8")
     elif framework == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -82,7 +93,7 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, framework: str
     if name == "muon":
         groups = ropt.muon_param_groups(
             model, muon={"lr": lr, "adjust_lr_fn": "match_rms_adamw"},
-            adamw={"lr": lr, "betas": (0.9, 0.95)},
+            adamw={"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1},  # as the adamw run
         )
         return ropt.Muon(groups, lr=lr, weight_decay=0.1)
     raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
@@ -105,10 +116,10 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches) -> dict:
+def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches, heldout: Batches | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(cfg)
-    granularity = granularity_for(cfg.optimizer, model) if framework == "ragged_fsdp" else None
+    granularity = granularity_for(cfg.optimizer, model) if framework.startswith("ragged_fsdp") else None
     model = shard(model, framework, mesh, granularity)
     opt = build_optimizer(cfg.optimizer, model, cfg.lr, framework)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
@@ -144,8 +155,42 @@ def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches) -> dict:
     if bar is not None:
         bar.close()
     peak = _peak_tracked_bytes(lambda: step(cfg.steps), model, opt)
-    return {"framework": framework, "losses": losses, "step_s_median": statistics.median(times[5:] or times),
-            "peak_tracked_bytes": peak}
+    out = {"framework": framework, "losses": losses, "step_s_median": statistics.median(times[5:] or times),
+           "peak_tracked_bytes": peak}
+    if heldout is not None:
+        out["heldout_loss"] = _heldout_loss(model, heldout, rank, world)
+        out["heldout_loss_bf16_masters"] = _heldout_loss_plain(cfg, model, heldout)
+    return out
+
+
+@torch.no_grad()
+def _heldout_loss(model, batches: Batches, rank: int, world: int, n: int = 8) -> float:
+    """Mean loss over ``n`` fixed global batches of the held-out tokens."""
+    total = torch.zeros(())
+    for i in range(n):
+        x, y = batches.local_batch_at(i, rank, world)
+        logits = model(x)
+        total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1))
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total.item() / n
+
+
+@torch.no_grad()
+def _heldout_loss_plain(cfg: TrainConfig, model, batches: Batches, n: int = 8) -> float:
+    """The same held-out loss from the trained (full-precision) weights copied into a plain
+    bf16 model, the same way for every framework: what training produced, apart from how
+    the weights are gathered for compute."""
+    from torch.distributed.tensor import DTensor
+
+    plain = build_model(cfg).to(torch.bfloat16)
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in model.named_parameters()}
+    for k, p in plain.named_parameters():
+        p.copy_(full[k])
+    total = 0.0
+    for i in range(n):
+        x, y = batches.global_batch_at(i)
+        total += F.cross_entropy(plain(x).float().reshape(-1, VOCAB_SIZE), y.reshape(-1)).item()
+    return total / n
 
 
 def _peak_tracked_bytes(step_fn, model, opt) -> int:
@@ -170,9 +215,10 @@ def report(cfg: TrainConfig, results: list[dict]) -> None:
             r["framework"], f"{r['step_s_median'] * 1e3:.1f}", f"{r['step_s_median'] / base['step_s_median']:.2f}",
             f"{r['peak_tracked_bytes'] / 2**20:.1f}", f"{r['peak_tracked_bytes'] / base['peak_tracked_bytes']:.2f}",
             f"{r['losses'][0]:.3f}", f"{r['losses'][-1]:.3f}",
-        ))
+        ) + ((f"{r['heldout_loss']:.4f}", f"{r['heldout_loss_bf16_masters']:.4f}") if "heldout_loss" in r else ()))
     head = ("framework", "median step ms", f"vs {base['framework']}", "peak tracked MiB",
-            f"vs {base['framework']}", "first loss", "last loss")
+            f"vs {base['framework']}", "first loss", "last loss") + (
+                ("held-out loss", "held-out, masters in bf16") if cfg.heldout else ())
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     print()
@@ -200,17 +246,44 @@ def report(cfg: TrainConfig, results: list[dict]) -> None:
         print(f"\nwrote {out / 'results.json'} (install matplotlib for the loss curve)")
 
 
+def check_args(steps: int, batch: int, world: int) -> str | None:
+    """Why the demo cannot run with these settings, or None (pure; also used by the CLI)."""
+    if world < 1:
+        return f"--nproc {world}: need at least one rank"
+    if steps < 1:
+        return f"--steps {steps}: need at least one training step"
+    if batch < 1:
+        return f"--batch {batch}: need at least one sequence per step"
+    if batch % world:
+        lo, hi = batch // world * world, -(-batch // world) * world
+        near = " or ".join(str(b) for b in (lo, hi) if b > 0)
+        return (f"--batch {batch} does not split evenly over {world} ranks (every rank trains on "
+                f"batch/ranks sequences); use --batch {near}")
+    return None
+
+
 def parse(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch", type=int, default=d.global_batch, help="global batch in sequences")
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
     p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw8bit", "muon"])
     p.add_argument("--out", default=d.out)
-    p.add_argument("--frameworks", default=",".join(d.frameworks))
+    p.add_argument("--frameworks", default=",".join(d.frameworks),
+                   help="comma list of fsdp2, ragged_fsdp, ragged_fsdp:bf16 (bf16 compute), "
+                        "ragged_fsdp:fp8 (bf16 compute, block-fp8 all-gather)")
+    p.add_argument("--heldout", type=float, default=d.heldout,
+                   help="fraction of the tokens held out of training; report the loss on them (default 0)")
+    p.add_argument("--seed", type=int, default=d.seed, help="model init and data order seed (default 0)")
     a = p.parse_args(argv)
-    return TrainConfig(steps=a.steps, data=a.data, optimizer=a.optimizer, out=a.out,
-                       frameworks=tuple(a.frameworks.split(",")))
+    if not 0 <= a.heldout < 1:
+        p.error(f"--heldout {a.heldout}: expected a fraction in [0, 1)")
+    err = check_args(a.steps, a.batch, int(os.environ.get("WORLD_SIZE", "1")))
+    if err:
+        p.error(err)
+    return TrainConfig(steps=a.steps, global_batch=a.batch, data=a.data, optimizer=a.optimizer, out=a.out,
+                       frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout, seed=a.seed)
 
 
 def main(argv=None) -> None:
@@ -218,8 +291,14 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    batches = Batches(load_tokens(cfg.data), cfg.seq_len, cfg.global_batch, cfg.seed)
-    results = [train_one(cfg, fw, mesh, batches) for fw in cfg.frameworks]
+    tokens = load_tokens(cfg.data)
+    heldout = None
+    if cfg.heldout:
+        cut = int(tokens.numel() * (1 - cfg.heldout))
+        tokens, rest = tokens[:cut], tokens[cut:]
+        heldout = Batches(rest, cfg.seq_len, cfg.global_batch, cfg.seed + 1)
+    batches = Batches(tokens, cfg.seq_len, cfg.global_batch, cfg.seed)
+    results = [train_one(cfg, fw, mesh, batches, heldout) for fw in cfg.frameworks]
     if dist.get_rank() == 0:
         report(cfg, results)
     dist.barrier()

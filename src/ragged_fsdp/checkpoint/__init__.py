@@ -13,12 +13,16 @@
   published by a rename once every rank is done; incomplete ones are skipped), and ``load``:
   ``dcp.load`` that refuses any key or shape mismatch, in both directions, naming the keys.
 * ``dcp_to_torch_save`` / ``torch_save_to_dcp`` (also ``python -m ragged_fsdp ckpt convert``).
+* integrity: ``save``/``async_save``/``torch_save_to_dcp`` record a CRC-32 per write item
+  as it is written (``ChecksummedWriter``); ``load``/``load_latest``/``read_full`` verify
+  every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``.
 * ``async_save``: ``dcp.async_save`` with a stager that keeps RaggedShard layouts (torch's
   default stager copies through ``new_empty`` and loses them).
 """
 
 from .async_save import async_save
 from .atomic import Checkpoint, latest_checkpoint, list_checkpoints, load_latest, save
+from .integrity import CheckpointCorruptError, ChecksummedReader, ChecksummedWriter, count_checksums
 from .convert import dcp_to_torch_save, read_full, resolve, torch_save_to_dcp
 from .state_dict import (
     StateDictOptions,
@@ -33,7 +37,8 @@ from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
 
 __all__ = [
-    "Checkpoint", "CheckpointMismatchError", "async_save", "StateDictOptions", "TrainState",
+    "Checkpoint", "CheckpointCorruptError", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
+    "count_checksums", "async_save", "StateDictOptions", "TrainState",
     "check_state", "dcp_to_torch_save", "get_model_state_dict", "get_optimizer_state_dict",
     "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",
     "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",

@@ -15,6 +15,8 @@ import os
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 
+from .integrity import ChecksummedWriter
+
 __all__ = ["async_save"]
 
 
@@ -30,7 +32,11 @@ def async_save(
     no_dist: bool = False,
     use_collectives: bool = True,
 ):
-    """As ``torch.distributed.checkpoint.async_save``; returns its future."""
+    """As ``torch.distributed.checkpoint.async_save``; returns its future. With a
+    ``checkpoint_id`` and no ``storage_writer``, items are written with CRC-32 checksums
+    (:class:`~ragged_fsdp.checkpoint.integrity.ChecksummedWriter`)."""
+    if storage_writer is None and checkpoint_id is not None:
+        storage_writer = ChecksummedWriter(checkpoint_id)
     if async_stager is None and not isinstance(storage_writer, AsyncStager):
         async_stager = BlockingAsyncStager()
     kwargs = {}

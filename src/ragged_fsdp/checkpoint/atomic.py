@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from .integrity import ChecksummedWriter
 from .strict import load as _strict_load
+from .strict import quiet_single_process
 
 __all__ = ["Checkpoint", "save", "load_latest", "list_checkpoints", "latest_checkpoint", "MARKER"]
 
@@ -125,6 +129,7 @@ def save(
     step that is already published raises ``FileExistsError``. ``keep_last=n`` deletes all
     but the newest ``n`` published checkpoints afterwards. Collective: call on every rank of
     ``process_group`` (default: the world). Returns the published :class:`Checkpoint`."""
+    _agree(_check_save_args(state, root, step, keep_last), (step, keep_last), process_group)
     root = os.path.abspath(os.fspath(root))
     rank0 = _rank(process_group) == 0
     plan = None
@@ -150,8 +155,9 @@ def save(
         raise plan
     step_, tmp, final = plan
 
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=process_group, planner=planner,
-             no_dist=not _use_dist(process_group))
+    with quiet_single_process(not _use_dist(process_group)):
+        dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=process_group, planner=planner,
+                 no_dist=not _use_dist(process_group))
     if _use_dist(process_group):
         dist.barrier(group=process_group)  # every rank's files are written and synced
 
@@ -176,14 +182,59 @@ def save(
     return Checkpoint(final, step_)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_save_args(state, root, step, keep_last) -> str | None:
+    """Why ``save`` cannot run with these arguments, or None (pure; runs on every rank)."""
+    if not isinstance(state, Mapping):
+        return f"save: state must be a dict (what dcp.save takes), got {type(state).__name__}"
+    if not isinstance(root, (str, os.PathLike)) or not os.fspath(root):
+        return f"save: root must be a directory path, got {root!r}"
+    if step is not None:
+        if not _is_int(step):
+            return f"save: step={step!r} must be an integer (it names the directory step-<n>)"
+        if step < 0:
+            return (f"save: step={step} is negative; checkpoints are named step-<n> with n >= 0, "
+                    "so list_checkpoints/load_latest would never find it")
+    if keep_last is not None:
+        if not _is_int(keep_last):
+            return f"save: keep_last={keep_last!r} must be an integer >= 1 or None"
+        if keep_last < 1:
+            return (f"save: keep_last={keep_last} would delete the checkpoint being written; "
+                    "pass keep_last >= 1, or None to keep every checkpoint")
+    return None
+
+
+def _agree(err: str | None, args, pg) -> None:
+    """Raise the same error on every rank if any rank's arguments are bad or the ranks
+    disagree, before anything is written (a rank that raised alone would leave the others
+    waiting in the save's collectives until the process-group timeout)."""
+    if not _use_dist(pg):
+        if err:
+            raise ValueError(err)
+        return
+    everyone = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, (err, args), group=pg)
+    bad = [(r, e) for r, (e, _) in enumerate(everyone) if e]
+    if bad:
+        ranks = [r for r, _ in bad]
+        raise ValueError(f"{bad[0][1]} (on rank(s) {ranks}; nothing was written)")
+    if any(a != everyone[0][1] for _, a in everyone):
+        raise ValueError(
+            "save: ranks passed different (step, keep_last): "
+            + ", ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(everyone))
+            + "; pass the same values on every rank (nothing was written)"
+        )
+
+
 def _cleanup(root: str, keep_last: int | None) -> None:
     """Remove leftovers of dead saves and, with ``keep_last``, old checkpoints. A doomed
     checkpoint is first renamed away, so a crash mid-delete never leaves a listed
     directory with files missing."""
     doomed = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(_PARTIAL)]
-    if keep_last is not None:
-        if keep_last < 1:
-            raise ValueError("keep_last must be >= 1")
+    if keep_last is not None:  # validated (>= 1) on every rank before the save began
         doomed += [c.path for c in list_checkpoints(root)[:-keep_last]]
     for p in doomed:
         gone = os.path.join(root, f"{_DELETING}{os.path.basename(p)}-{uuid.uuid4().hex[:8]}")
@@ -202,18 +253,32 @@ def load_latest(
     state: dict[str, Any] | None = None,
     *,
     strict: bool = True,
+    missing_ok: bool = False,
     process_group=None,
 ) -> Checkpoint | None:
-    """Load the newest published checkpoint under ``root``; ``None`` if there is none.
+    """Load the newest published checkpoint under ``root``.
 
     With ``state`` (what ``dcp.load`` takes) it is loaded in place, resharded to the
     current layout, after checking that keys and shapes match the checkpoint exactly (both
     ways when ``strict``; see :func:`ragged_fsdp.checkpoint.load`). Without ``state`` every
     rank reads the whole checkpoint as plain tensors (``Checkpoint.state``). Collective when
-    ``state`` holds DTensors."""
+    ``state`` holds DTensors.
+
+    When there is nothing to load (``root`` does not exist, or holds no published
+    checkpoint) this raises ``FileNotFoundError`` naming ``root``: a mistyped path must not
+    silently restart training. Pass ``missing_ok=True`` to get ``None`` instead (the first
+    run of a job that resumes when it can)."""
     root = os.fspath(root)
-    found = latest_checkpoint(root) if _rank(process_group) == 0 else None
+    if _rank(process_group) == 0:
+        try:
+            found = _find_latest(root, missing_ok)
+        except (OSError, ValueError) as e:
+            found = e
+    else:
+        found = None
     found = _bcast(found, process_group)
+    if isinstance(found, Exception):
+        raise found
     if found is None:
         return None
     if state is None:
@@ -223,4 +288,25 @@ def load_latest(
         return found
     _strict_load(state, found.path, strict=strict, process_group=process_group)
     found.state = state
+    return found
+
+
+def _find_latest(root: str, missing_ok: bool) -> Checkpoint | None:
+    hint = "; pass missing_ok=True to start fresh when there is none"
+    if not os.path.exists(root):
+        if missing_ok:
+            return None
+        raise FileNotFoundError(f"load_latest: checkpoint root {root} does not exist{hint}")
+    if not os.path.isdir(root):
+        raise NotADirectoryError(f"load_latest: checkpoint root {root} is a file, not a directory")
+    if os.path.isfile(os.path.join(root, ".metadata")):
+        raise ValueError(
+            f"load_latest: {root} is a checkpoint directory itself, not a root of step-<n> "
+            "checkpoints; load it with ragged_fsdp.checkpoint.load(state, path)"
+        )
+    found = latest_checkpoint(root)
+    if found is None and not missing_ok:
+        partial = [n for n in os.listdir(root) if n.startswith(_PARTIAL)]
+        extra = f" ({len(partial)} unfinished save(s) skipped)" if partial else ""
+        raise FileNotFoundError(f"load_latest: no published checkpoint under {root}{extra}{hint}")
     return found

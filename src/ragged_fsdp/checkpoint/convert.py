@@ -7,6 +7,7 @@ boxes per tensor; reading it whole just means asking DCP for every tensor at ful
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._tree import set_element
-from .strict import read_metadata
+from .integrity import ChecksummedWriter
+from .strict import dcp_load_verified, quiet_single_process, read_metadata
 
 __all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp"]
 
@@ -31,6 +33,8 @@ def resolve(path: str | os.PathLike) -> str:
         found = latest_checkpoint(path)
         if found is not None:
             return found.path
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist")
     raise FileNotFoundError(
         f"{path} is neither a DCP checkpoint directory (no .metadata) nor a root holding "
         "published checkpoints (step-<n>/ directories)"
@@ -58,12 +62,7 @@ def read_full(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]
     if not flat:
         tops = sorted({str(tuple(paths.get(k, (k,)))[0]) for k in md.state_dict_metadata})
         raise KeyError(f"{path} has no top-level key {key!r}; it has {tops}")
-    dcp.load(
-        flat,
-        storage_reader=dcp.FileSystemReader(path),
-        planner=dcp.DefaultLoadPlanner(allow_partial_load=True),
-        no_dist=True,
-    )
+    dcp_load_verified(flat, path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     nested: dict[str, Any] = {}
     for k, v in flat.items():
         set_element(nested, tuple(paths.get(k, (k,))), v)
@@ -91,8 +90,9 @@ def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: st
     """Write the checkpoint ``src`` (a DCP directory or a root of published checkpoints) as
     one ``torch.save`` file; ``key`` keeps only one part (e.g. ``"model"``, giving a plain
     ``model.load_state_dict`` input). Returns the state dict written."""
-    state = read_full(src, key)
     out = os.fspath(out)
+    _check_output_file(out)
+    state = read_full(src, key)
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, out)
@@ -107,7 +107,7 @@ def torch_save_to_dcp(
     at any world size and layout. ``key`` nests it under that name (``{"model": ...}``).
     With ``root=True``, ``out`` is a root and the checkpoint is published atomically as a
     new step there (what ``load_latest`` reads). Returns the DCP directory."""
-    state = torch.load(os.fspath(src), map_location="cpu", weights_only=True)
+    state = _torch_load(os.fspath(src))
     if not isinstance(state, dict):
         raise ValueError(f"{src} holds a {type(state).__name__}, not a state dict")
     if key is not None:
@@ -119,5 +119,32 @@ def torch_save_to_dcp(
         return save(state, out, step=step).path
     if os.path.exists(os.path.join(out, ".metadata")):
         raise FileExistsError(f"{out} already holds a DCP checkpoint; remove it or pick another directory")
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileExistsError(f"{out} is a file; give a directory for the DCP checkpoint")
+    with quiet_single_process(True):
+        dcp.save(state, storage_writer=ChecksummedWriter(out), no_dist=True)
     return out
+
+
+def _check_output_file(out: str) -> None:
+    """Fail before reading a whole checkpoint when the output cannot be written."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if os.path.isdir(out):
+        raise IsADirectoryError(f"{out} is a directory; give a file name for the torch.save output")
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"output directory {parent} does not exist (for {out}); create it first")
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"output directory {parent} is not writable (for {out})")
+
+
+def _torch_load(src: str):
+    """``torch.load(weights_only=True)`` with one clear error for a file that is not one."""
+    if not os.path.isfile(src):
+        raise FileNotFoundError(f"{src} does not exist" if not os.path.exists(src) else f"{src} is not a file")
+    try:
+        return torch.load(src, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, RuntimeError (zip reader), EOFError, ...
+        text = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # torch colours part of its message
+        text = text.splitlines()[0] if text else "no message"
+        raise ValueError(f"{src} cannot be read by torch.load(weights_only=True) ({type(e).__name__}: {text}); "
+                         "is it a torch.save file?") from None

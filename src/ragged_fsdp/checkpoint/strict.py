@@ -8,7 +8,9 @@ both directions, and tensor shapes, before reading a byte, and names every offen
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -17,8 +19,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._tree import flatten
+from .integrity import CheckpointCorruptError, ChecksummedReader
 
-__all__ = ["CheckpointMismatchError", "check_state", "load", "read_metadata", "stateful_to_state_dict"]
+__all__ = [
+    "CheckpointMismatchError", "check_state", "dcp_load_verified", "load", "read_metadata",
+    "stateful_to_state_dict",
+]
 
 
 class CheckpointMismatchError(ValueError):
@@ -33,10 +39,30 @@ class CheckpointMismatchError(ValueError):
 
 
 def read_metadata(path: str | os.PathLike) -> Metadata:
+    """The checkpoint's ``.metadata``; a missing, truncated or foreign file is one clear
+    error naming it (FileNotFoundError / CheckpointCorruptError), not an unpickling trace."""
     path = os.fspath(path)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.exists(path) else "is a file, not a directory"
+        raise FileNotFoundError(f"{path} {what}; a DCP checkpoint is a directory holding .metadata")
+    md_path = os.path.join(path, ".metadata")
+    if not os.path.isfile(md_path):
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
-    return dcp.FileSystemReader(path).read_metadata()
+    try:
+        md = ChecksummedReader(path).read_metadata()
+    except Exception as e:  # EOFError, UnpicklingError, ... from a damaged or foreign file
+        raise CheckpointCorruptError(
+            f"{md_path} cannot be read ({type(e).__name__}: {_first_line(e)}); the file is "
+            "truncated, damaged or not DCP metadata"
+        ) from None
+    if not isinstance(md, Metadata):
+        raise CheckpointCorruptError(f"{md_path} holds a {type(md).__name__}, not DCP metadata")
+    return md
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def _listing(keys, other_tops=None, limit=50) -> str:
@@ -55,14 +81,17 @@ def _listing(keys, other_tops=None, limit=50) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def check_state(state: dict[str, Any], metadata: Metadata, *, where: str = "the checkpoint") -> None:
+def check_state(
+    state: dict[str, Any], metadata: Metadata, *, where: str = "the checkpoint", keys: bool = True
+) -> None:
     """Raise :class:`CheckpointMismatchError` unless ``state`` (already through
     ``state_dict()`` for Stateful values) has exactly the checkpoint's keys, with tensors
-    where it has tensors and of the same global shapes."""
+    where it has tensors and of the same global shapes. With ``keys=False`` only entries on
+    both sides are compared (what a non-strict load reads)."""
     flat, _ = flatten(state)
     saved = metadata.state_dict_metadata
-    missing = sorted(k for k in flat if k not in saved)
-    unexpected = sorted(k for k in saved if k not in flat)
+    missing = sorted(k for k in flat if k not in saved) if keys else []
+    unexpected = sorted(k for k in saved if k not in flat) if keys else []
     mismatched = []
     for k in sorted(set(flat) & set(saved)):
         v, md = flat[k], saved[k]
@@ -109,16 +138,59 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True,
     path = os.fspath(path)
     sd = stateful_to_state_dict(state)
     md = read_metadata(path)
-    if strict:
-        check_state(sd, md, where=path)
+    # Shapes are compared either way (DCP's own complaint is a traceback inside its
+    # exception message); with strict=False, keys on one side only are allowed.
+    check_state(sd, md, where=path, keys=strict)
     planner = None if strict else dcp.DefaultLoadPlanner(allow_partial_load=True)
     import torch.distributed as dist
 
     no_dist = not (dist.is_available() and dist.is_initialized())
-    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), planner=planner, process_group=process_group,
-             no_dist=no_dist)
+    dcp_load_verified(sd, path, planner=planner, process_group=process_group, no_dist=no_dist)
     for k, v in list(state.items()):
         if isinstance(v, Stateful):
             v.load_state_dict(sd[k])
         else:  # DCP replaces non-tensor leaves (ints, strings) in the dict it was given
             state[k] = sd[k]
+
+
+@contextlib.contextmanager
+def quiet_single_process(no_dist: bool):
+    """DCP warns that it "assumes" one process even when ``no_dist=True`` says so."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def dcp_load_verified(state, path, *, planner=None, process_group=None, no_dist=False) -> None:
+    """``dcp.load`` through :class:`ChecksummedReader`; a failure on any rank becomes the
+    library's own error with one message (DCP raises a ``CheckpointException``, a
+    BaseException whose text is every rank's traceback)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with quiet_single_process(no_dist):
+            dcp.load(state, storage_reader=ChecksummedReader(path), planner=planner,
+                     process_group=process_group, no_dist=no_dist)
+    except CheckpointException as e:
+        err = _translate(e, path)
+        known = isinstance(err, (CheckpointCorruptError, CheckpointMismatchError))
+        raise err from (None if known else e)  # keep DCP's traces for what we cannot name
+
+
+def _translate(e, path) -> Exception:
+    failures = sorted(e.failures.items())
+    for cls in (CheckpointCorruptError, CheckpointMismatchError):
+        for rank, (exc, _) in failures:
+            if isinstance(exc, cls):
+                return cls(f"{exc} (rank {rank})")
+    for rank, (exc, _) in failures:
+        text = _first_line(exc)
+        if "Size mismatch" in text or "mismatch sizes" in text:
+            return CheckpointMismatchError(f"ragged_fsdp: loading {path}: {text} (rank {rank}); nothing "
+                                           "of that tensor was loaded")
+    rank, (exc, _) = failures[0]
+    return RuntimeError(
+        f"ragged_fsdp: loading {path} failed on rank(s) {[r for r, _ in failures]}: "
+        f"{type(exc).__name__}: {_first_line(exc)}"
+    )

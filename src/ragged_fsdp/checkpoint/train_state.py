@@ -7,7 +7,7 @@ create the optimizer state first and key it by parameter name, not position::
 
     state = {"train": TrainState(model, opt), "step": step}
     ragged_fsdp.checkpoint.save(state, root)
-    ragged_fsdp.checkpoint.load_latest(root, {"train": TrainState(model, opt)})
+    ragged_fsdp.checkpoint.load_latest(root, {"train": TrainState(model, opt)}, missing_ok=True)
 """
 
 from __future__ import annotations

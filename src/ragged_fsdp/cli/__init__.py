@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # subcommand name -> module under ragged_fsdp.cli
-SUBCOMMANDS = {"plan": "plan", "demo": "demo", "bench": "bench", "ckpt": "ckpt"}
+SUBCOMMANDS = {"plan": "plan", "demo": "demo", "bench": "bench", "ckpt": "ckpt", "simulate": "simulate"}
 
 
 def main(argv: list[str] | None = None) -> int:

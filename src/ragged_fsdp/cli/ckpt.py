@@ -54,6 +54,8 @@ def run(args) -> int:
         if action == "convert":
             return _convert(args, ck)
         if action == "ls":
+            if not os.path.isdir(args.root):
+                raise FileNotFoundError(f"checkpoint root {args.root} does not exist or is not a directory")
             found = ck.list_checkpoints(args.root)
             if not found:
                 print(f"no published checkpoint under {args.root}")
@@ -63,8 +65,12 @@ def run(args) -> int:
             return 0
         if action == "info":
             return _info(args.path, ck)
-    except (FileNotFoundError, FileExistsError, KeyError, ValueError) as e:
-        print(f"ckpt {action}: {e}", file=sys.stderr)
+    except (OSError, KeyError, ValueError) as e:  # incl. CheckpointCorruptError / MismatchError
+        # one line naming the path and the problem; a traceback would bury it
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+        if isinstance(e, OSError) and e.filename and str(e.filename) not in msg:
+            msg = f"{e.filename}: {e.strerror or msg}"
+        print(f"ckpt {action}: error: {' '.join(str(msg).split())}", file=sys.stderr)
         return 2
     raise AssertionError(action)
 
@@ -112,5 +118,7 @@ def _info(path, ck) -> int:
             print(f"  {k}  {tuple(m.size)}  {dtype}  {len(m.chunks)} chunk(s)")
         else:
             print(f"  {k}  (object)")
-    print(f"{len(md.state_dict_metadata)} entries, {total / 2**20:.2f} MiB of tensors")
+    checked, items = ck.count_checksums(md)
+    print(f"{len(md.state_dict_metadata)} entries, {total / 2**20:.2f} MiB of tensors, "
+          f"{checked} of {items} stored items with a CRC-32")
     return 0

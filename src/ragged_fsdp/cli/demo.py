@@ -10,15 +10,24 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="train on CPU ranks with ragged_fsdp, then FSDP2; compare")
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=16, help="global batch in sequences, a multiple of --nproc (default 16)")
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
     p.add_argument("--out", default="out/demo")
 
 
 def run(args) -> int:
+    from ..train import check_args
+
+    # Checked here, before torchrun starts N processes that would each fail the same way.
+    err = check_args(args.steps, args.batch, args.nproc)
+    if err:
+        print(f"demo: error: {err}", file=sys.stderr)
+        return 2
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-        "-m", "ragged_fsdp.train", "--steps", str(args.steps), "--optimizer", args.optimizer, "--out", args.out,
+        "-m", "ragged_fsdp.train", "--steps", str(args.steps), "--batch", str(args.batch),
+        "--optimizer", args.optimizer, "--out", args.out,
     ]
     if args.data:
         cmd += ["--data", args.data]

@@ -23,6 +23,10 @@ from ..planner.suggest import suggest
 DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
           "float64": 8, "float8": 1, "fp8": 1}
 SUGGEST_ABOVE = 0.01  # padding ratio above which --suggest looks for a way out
+# Plans, baselines and suggestions keep per-rank tables, so time and memory grow linearly
+# with W (2^20 ranks took 42 s on the 2-core dev machine, 10^7 would take minutes); 2^17
+# is far above any FSDP shard group in use (larger jobs shard over a group and replicate).
+MAX_WORLD = 131072
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -33,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="llama3-8b",
                    help="comma list of model ids (default llama3-8b); known: " + ", ".join(list_models(True)))
-    p.add_argument("--world", default="1024", help="comma list of world sizes (default 1024)")
+    p.add_argument("--world", default="1024", help=f"comma list of world sizes, 1..{MAX_WORLD} (default 1024)")
     p.add_argument("--granularity", default="row",
                    help=f"comma list of granularities for tensors with >= 2 dims ({GRANULARITY_FORMS}); default row")
     p.add_argument("--granularity-1d", default=None,
@@ -59,6 +63,12 @@ def _parse(args) -> tuple[list[str], list[int], list[Granularity], Granularity |
     for w in _split(args.world):
         if not w.isdigit() or int(w) < 1:
             raise ValueError(f"world size {w!r} is not a positive integer")
+        if int(w) > MAX_WORLD:
+            raise ValueError(
+                f"world size {w} is above {MAX_WORLD}: planning time and memory grow linearly with "
+                "the number of ranks, and no FSDP shard group is that large; plan the shard group "
+                "(HSDP replicates it over the rest of the job)"
+            )
         worlds.append(int(w))
     grans = [Granularity.parse(g) for g in _split(args.granularity)]
     g1 = Granularity.parse(args.granularity_1d) if args.granularity_1d else None

@@ -76,6 +76,7 @@ class DBuffer:
         self.grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         self._grad_versions: list[int] = []
+        self.quant = None  # set by fully_shard(all_gather_quant=...): gathered as codes + scales
 
     # -- layout helpers ----------------------------------------------------------------
     @property
@@ -128,8 +129,9 @@ class DBuffer:
     # -- the unsharded buffer ------------------------------------------------------------
     @property
     def aliased(self) -> bool:
-        """True when the unsharded buffer is the sharded segment itself (``W == 1``, no cast)."""
-        return self.world_size == 1 and self.compute_dtype == self.dtype
+        """True when the unsharded buffer is the sharded segment itself (``W == 1``, no cast,
+        no quantisation)."""
+        return self.world_size == 1 and self.compute_dtype == self.dtype and self.quant is None
 
     @property
     def unsharded(self) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from ragged_fsdp.quant import BlockFP8
+
 from .collectives import Comm
 from .device import device_for
 from .init import (
@@ -47,12 +49,21 @@ def fully_shard(
     granularity_fn: Callable[[str, nn.Parameter], Any] | None = None,
     shard_placement_fn: Any = None,
     dp_mesh_dims: Any = None,
+    all_gather_quant: Any = None,
 ):
     """Shard ``module``'s parameters (those not already in a group below it) over ``mesh``.
 
     Apply bottom-up: blocks first, then the root. Returns the module, now an instance of
     :class:`FSDPModule`. See torch's ``fully_shard`` for ``reshard_after_forward``,
     ``mp_policy``, ``offload_policy`` and ``ignored_params``.
+
+    ``all_gather_quant=ragged_fsdp.BlockFP8(tile=(128, 128), dtype=torch.float8_e4m3fn)``
+    gathers the eligible weights (floating, >= 2 dims, at least one tile, not biases) as fp8
+    codes plus one fp32 scale per tile: each rank quantises its own whole tiles of the
+    full-precision sharded weights (the layout never cuts a tile: granularity ``rows:128``
+    for 2-D weights, whole expert matrices for fused experts whose rows are not a multiple of
+    128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
+    Gradients and optimizer states are unchanged. The result is the same at every world size.
     """
     if shard_placement_fn is not None:
         raise ValueError(
@@ -65,6 +76,11 @@ def fully_shard(
             "ragged_fsdp.fully_shard: dp_mesh_dims is not supported yet; pass the 1-D "
             "data-parallel mesh (e.g. mesh['dp']). Multi-dimensional meshes (HSDP, TP/EP "
             "composition) are the next step; per-parameter layout is set with granularity_fn"
+        )
+    if all_gather_quant is not None and not isinstance(all_gather_quant, BlockFP8):
+        raise TypeError(
+            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 policy or None, got "
+            f"{type(all_gather_quant).__name__}"
         )
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -93,7 +109,7 @@ def fully_shard(
         comm = Comm.of(mesh.get_group())
         group = ParamGroup(
             params, modules, mesh, comm, where, device_for(device), mp_policy,
-            granularity_fn, raf,
+            granularity_fn, raf, all_gather_quant=all_gather_quant,
         )
         state.group = group
         if not isinstance(raf, bool):
@@ -255,19 +271,20 @@ class FSDPModule:
         if g is None:
             return super()._apply(fn, recurse)
         g.reshard()
-        plain = []
-        for info in g.infos:
-            local = local_of(info.sharded).detach()
-            p = nn.Parameter(local, requires_grad=info.sharded.requires_grad)
-            info.register(p)
-            plain.append(p)
+        # A list group's modules are moved one at a time (each gets its own _apply): touch
+        # only the parameters this module's subtree registers, keep the others as they are.
+        subtree = {id(m) for m in self.modules()}
+        mine = [any(id(mod) in subtree for mod, _ in info.owners) for info in g.infos]
+        for info, moved in zip(g.infos, mine):
+            if moved:
+                info.register(nn.Parameter(local_of(info.sharded).detach(), requires_grad=info.sharded.requires_grad))
         try:
             out = super()._apply(fn, recurse)
         finally:
             new = []
-            for info in g.infos:
-                mod, name = info.owners[0]
-                new.append(mod._parameters[name].detach())
+            for info, moved in zip(g.infos, mine):
+                mod, name = next(((m, n) for m, n in info.owners if id(m) in subtree), info.owners[0])
+                new.append(mod._parameters[name].detach() if moved else None)
             g.adopt_locals(new)
         return out
 

@@ -93,6 +93,47 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
     return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp))
 
 
+# On gloo a reduction receives the W-1 other pieces of this rank's segment at once: (W-1)/W
+# of the group's gradient buffer. Above this many bytes it runs as a few all-to-alls over
+# column chunks of the segment instead (same sums in the same order, so the same bits).
+GLOO_RECEIVE_BOUND_BYTES = 64 << 20
+
+
+def _gloo_reduce_chunked(comm: Comm, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                         factor: float) -> None:
+    """The gloo reduction in column chunks of at most GLOO_RECEIVE_BOUND_BYTES received;
+    synchronous (one chunk's receive buffer is reused for the next)."""
+    W, r, S = comm.world_size, comm.rank, target.numel()
+    chunk = max(1, GLOO_RECEIVE_BOUND_BYTES // ((W - 1) * grad.element_size()))
+    rows = grad.view(W, S)
+    recv = torch.empty(W * min(chunk, S), dtype=grad.dtype, device=grad.device)
+    for c0 in range(0, S, chunk):
+        c = min(chunk, S - c0)
+        pieces = recv[: (W - 1) * c].view(W - 1, c)
+        # rank k's piece of my segment goes to row k (k < r) or k-1 (k > r), as unchunked;
+        # gloo's list all-to-all wants equal sizes, so my own piece goes to a spare row
+        outs = [pieces[k - (k > r)] if k != r else recv[(W - 1) * c: W * c] for k in range(W)]
+        ins = [rows[k, c0:c0 + c] for k in range(W)]
+        dist.all_to_all(outs, ins, group=comm.group)
+        own, t = rows[r, c0:c0 + c], target[c0:c0 + c]
+        if not accumulate and t.dtype == grad.dtype:
+            if W == 2:
+                torch.add(own, pieces[0], out=t)
+            else:
+                torch.sum(pieces, dim=0, out=t)
+                t.add_(own)
+            t.mul_(1.0 / factor)
+            continue
+        total = torch.sum(pieces, dim=0, dtype=t.dtype)
+        total.add_(own)
+        if accumulate:
+            t.add_(total if total.dtype == t.dtype else total.to(t.dtype), alpha=1.0 / factor)
+        else:
+            t.copy_(total)
+            if factor != 1.0:
+                t.mul_(1.0 / factor)
+
+
 def reduce_scatter(
     device: Device,
     comm: Comm,
@@ -120,6 +161,10 @@ def reduce_scatter(
 
     if W == 1:
         return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target))
+
+    if comm.gloo and (W - 1) * S * grad.element_size() > GLOO_RECEIVE_BOUND_BYTES:
+        return device.launch(lane, lambda async_op: _gloo_reduce_chunked(comm, grad, target, accumulate, factor),
+                             keep=(grad, target))
 
     if comm.gloo:
         # Two all-to-alls move exactly the pieces other ranks own: each rank sends the

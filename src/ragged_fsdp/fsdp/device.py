@@ -25,12 +25,34 @@ and after the wait their frees are ordered on the compute stream.
 
 from __future__ import annotations
 
+import atexit
+import weakref
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["Device", "Pending", "device_for"]
+__all__ = ["Device", "Pending", "device_for", "drain"]
+
+# Collectives launched and not yet waited for. A process that exits with one of gloo's
+# async works still referenced can abort in the work's destructor during interpreter
+# shutdown ("terminate called without an active exception"), so exit drains them first.
+_in_flight: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+
+
+def drain() -> None:
+    """Wait for every collective the engine launched and nobody waited for yet (an
+    unconsumed prefetch, say). Runs at exit; call it before ``destroy_process_group()``
+    if a run may end between an ``unshard(async_op=True)`` and its wait."""
+    for p in list(_in_flight):
+        try:
+            p.wait()
+        except Exception:  # the process group may already be gone: nothing left to save
+            pass
+
+
+atexit.register(drain)
 
 Comm = Callable[[bool], Any]
 
@@ -38,7 +60,7 @@ Comm = Callable[[bool], Any]
 class Pending:
     """A launched collective; ``wait()`` once before using its outputs."""
 
-    __slots__ = ("_work", "_event", "_post", "_keep", "done")
+    __slots__ = ("_work", "_event", "_post", "_keep", "done", "__weakref__")
 
     def __init__(self, work=None, event=None, post=None, keep: Sequence[torch.Tensor] = ()):
         self._work = work
@@ -46,11 +68,14 @@ class Pending:
         self._post = post
         self._keep = tuple(keep)
         self.done = False
+        if work is not None:
+            _in_flight.add(self)
 
     def wait(self) -> None:
         if self.done:
             return
         self.done = True
+        _in_flight.discard(self)
         if self._work is not None:
             self._work.wait()
         if self._event is not None:

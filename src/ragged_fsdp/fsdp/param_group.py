@@ -24,6 +24,7 @@ reduce-scatter per DBuffer produces the sharded gradient segment; the sharded pa
 from __future__ import annotations
 
 import enum
+import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.autograd.profiler import record_function
 from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
@@ -42,7 +44,10 @@ from ragged_fsdp.placement.dtensor import element_ranges
 from .collectives import Comm, all_gather, reduce_scatter
 from .consistency import check_same_layout
 from .device import Device, Pending
-from .hooks import attach_post_backward
+from .hooks import attach_post_backward, in_backward
+from .quant_gather import attach_quant, fp8_granularity, quant_all_gather
+from .saved import eager as _eager
+from .saved import start_watch, stop_watch, watching
 from .sharded_param import local_of, make_sharded_grad, make_sharded_param, repoint
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
@@ -100,6 +105,10 @@ class _Forward:
     calls: int = 0  # forward calls with a PostBackward node on their inputs
     blind: bool = False  # a call whose inputs needed no grad: only the final callback sees it
     stale: bool = False  # a backward ended since: the next forward starts a new count
+    # what the saved-tensor watch saw (see saved.py): decides which buffers backward needs
+    seen: int = 0  # tensors autograd saved during the group's forward calls
+    saved: set[int] = field(default_factory=set)  # buffers whose storage was saved
+    unknown: bool = False  # a call ran without the watch (other hooks active) or saw opaque tensors
 
 
 @dataclass
@@ -107,8 +116,14 @@ class _Backward:
     """One backward pass (reset by the final callback after every ``backward()``)."""
 
     fired: int = 0  # PostBackward nodes of this group that ran in this backward
+    deferred_prefetch: "ParamGroup | None" = None  # the root's: issued at its first gradient
     post_forward_indices: list[int] = field(default_factory=list)
     reduced: list[_Reduction] = field(default_factory=list)  # reductions issued in it
+
+
+def _embedding_only(owners) -> bool:
+    """A parameter only one nn.Embedding registers, as its weight (not tied to a head)."""
+    return len(owners) == 1 and isinstance(owners[0][0], nn.Embedding) and owners[0][1] == "weight"
 
 
 class ParamGroup:
@@ -123,6 +138,7 @@ class ParamGroup:
         mp_policy,
         granularity_fn: Callable[[str, nn.Parameter], Any] | None,
         reshard_after_forward: bool | int,
+        all_gather_quant=None,
     ):
         self.modules = modules
         self.mesh = mesh
@@ -133,7 +149,7 @@ class ParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.reduce_grads = True
-        self.unshard_in_backward = True
+        self.unshard_in_backward: bool | None = None  # None: skip buffers backward provably needs not
         self.gradient_divide_factor: float | None = None
         self.fqn = ""  # module path from the root, for messages
         self.sharded_state = ShardedState.SHARDED
@@ -145,29 +161,48 @@ class ParamGroup:
         self._last_grad_seg: list[weakref.ref | None] = []
         self.fwd = _Forward()
         self.bwd = _Backward()
+        self._freed: set[int] = set()  # buffers freed while the group counts as unsharded
+        self._gathered_now: list[int] = []  # buffers the all-gathers in flight fill
+        self._embedding_buffers: set[int] = set()  # buffers of untied nn.Embedding weights only
+        self._watch = None  # the saved-tensor watch of the forward call running now
+        self._recomputed = False  # forward ran again inside backward (activation checkpointing)
         self.buffers: list[DBuffer] = []
         self.infos: list[ParamInfo] = []
+        self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self._build(params, granularity_fn)
 
     # -- construction ----------------------------------------------------------------------
     def _build(self, params, granularity_fn) -> None:
-        kinds: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, (_, p, _) in enumerate(params):
-            kinds.setdefault((p.dtype, p.requires_grad), []).append(i)
+        # One DBuffer per (dtype, trainable, fp8-gathered, embedding) kind. Embedding weights
+        # get their own: their gradients arrive at the very end of backward (the others' near
+        # the start), and their backward needs only the indices, so that buffer is neither
+        # kept unsharded nor re-gathered for backward (see _skip_in_backward).
+        kinds: dict[tuple[torch.dtype, bool, bool, bool], list[int]] = {}
+        quant = self.all_gather_quant
+        for i, (name, p, owners) in enumerate(params):
+            fp8 = quant is not None and quant.applies(name, p)  # fp8-gathered tensors: own buffer
+            kinds.setdefault((p.dtype, p.requires_grad, fp8, _embedding_only(owners)), []).append(i)
         W, rank = self.comm.world_size, self.comm.rank
         layouts, error = [], None
         try:
-            for (dtype, _), idx in kinds.items():
-                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank))
+            for (dtype, _, fp8, _), idx in kinds.items():
+                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank, fp8))
         except (ValueError, NotImplementedError, TypeError) as e:
             error = e
         # Every rank must have planned the same layout, or the all-gathers silently mix
         # different tensors (or hang when the sizes differ): one small all-reduce to check.
         check_same_layout(self.comm, self.mesh, layouts, [params[idx[0]][1].dtype for idx in kinds.values()], error, self._describe())
-        for layout, ((dtype, _), idx) in zip(layouts, kinds.items()):
+        for layout, ((dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
             compute, reduce_ = self._mp_dtypes(dtype)
             buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
+            if fp8:
+                attach_quant(buf, quant)
             b = len(self.buffers)
+            if embedding:
+                self._embedding_buffers.add(b)
+                for i in idx:
+                    for module, _ in params[i][2]:
+                        module.register_forward_pre_hook(_eager(self._embedding_pre_forward))
             self.buffers.append(buf)
             self._last_grad_seg.append(None)
             for j, i in enumerate(idx):
@@ -179,7 +214,7 @@ class ParamGroup:
                 info.register(sharded)
                 self.infos.append(info)
 
-    def _plan(self, params, idx, dtype, granularity_fn, W, rank):
+    def _plan(self, params, idx, dtype, granularity_fn, W, rank, fp8=False):
         tensors, keys = [], set()
         for j, i in enumerate(idx):
             name, p, _ = params[i]
@@ -190,6 +225,8 @@ class ParamGroup:
                     spec = parse_granularity(raw)
                 except ValueError as e:
                     raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+            if fp8:
+                spec = fp8_granularity(self.all_gather_quant, name, p.shape, spec)
             key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
             keys.add(key)
             tensors.append((key, tuple(p.shape), spec))
@@ -217,6 +254,8 @@ class ParamGroup:
             p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
             if buf.reduce_dtype != buf.compute_dtype:
                 p.grad_dtype = buf.reduce_dtype
+            if p.requires_grad:
+                p.register_hook(functools.partial(self._on_grad, info))
         elif p.requires_grad != info.sharded.requires_grad:
             p.requires_grad_(info.sharded.requires_grad)
         return p
@@ -235,32 +274,52 @@ class ParamGroup:
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
 
+    def _to_gather(self) -> list[int]:
+        if self.sharded_state is ShardedState.UNSHARDED:
+            todo = sorted(self._freed)
+        else:
+            todo = list(range(len(self.buffers)))
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            skip = self._skip_in_backward()
+            todo = [b for b in todo if b not in skip]
+        return todo
+
     def unshard(self, async_op: bool = False) -> None:
         """Start the all-gathers (no-op when unsharded or already in flight)."""
-        if self.is_unsharded or self._gathering is not None:
+        if self._gathering is not None:
             return
-        if self.training_state is TrainingState.PRE_BACKWARD and not self.unshard_in_backward:
+        if self.training_state is TrainingState.PRE_BACKWARD and self.unshard_in_backward is False:
+            return
+        todo = self._to_gather()
+        if not todo:
             return
         self.check_materialized()
-        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-            pend = [all_gather(self.dev, self.post_forward_comm, buf, inp=kept)
-                    for buf, kept in zip(self.buffers, self._kept)]
-        else:
-            pend = [all_gather(self.dev, self.comm, buf) for buf in self.buffers]
+        with record_function("ragged_fsdp::all_gather"):
+            if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+                pend = [all_gather(self.dev, self.post_forward_comm, self.buffers[b], inp=self._kept[b]) for b in todo]
+            else:
+                pend = [(quant_all_gather if self.buffers[b].quant else all_gather)(self.dev, self.comm, self.buffers[b])
+                        for b in todo]
         self._gathering = [p for p in pend if p is not None]
+        self._gathered_now = todo
 
     def wait_for_unshard(self) -> None:
-        if self._gathering is None and not self.is_unsharded:
+        if self._gathering is None:
             return
-        if self._gathering is not None:
+        with record_function("ragged_fsdp::wait_all_gather"):
             for p in self._gathering:
                 p.wait()
-            self._gathering = None
-        if not self.is_unsharded:
-            for info in self.infos:
+        self._gathering = None
+        gathered = set(self._gathered_now)
+        if self.sharded_state is ShardedState.UNSHARDED:
+            self._freed -= gathered
+        else:
+            self._freed = set(range(len(self.buffers))) - gathered
+        for info in self.infos:
+            if info.buffer in gathered:
                 info.register(self._unsharded_param(info))
-            self.sharded_state = ShardedState.UNSHARDED
-            self._kept = []
+        self.sharded_state = ShardedState.UNSHARDED
+        self._kept = []
 
     def reshard(self) -> None:
         if self._gathering is not None:  # never free memory a collective still writes
@@ -274,8 +333,34 @@ class ParamGroup:
                 info.register(info.sharded)
             self.sharded_state = ShardedState.SHARDED
         self._kept = []
+        self._freed = set()
         for buf in self.buffers:
             buf.free_unsharded()
+
+    def _free_buffers(self, which) -> None:
+        """Free some buffers while the group stays unsharded (the next unshard re-gathers
+        them); their parameters are registered sharded meanwhile."""
+        which = set(which) - self._freed
+        if not which:
+            return
+        for b in which:
+            self.buffers[b].free_unsharded()
+        for info in self.infos:
+            if info.buffer in which:
+                info.register(info.sharded)
+        self._freed |= which
+
+    def _skip_in_backward(self) -> set[int]:
+        """Buffers the coming backward need not gather: embedding weights (their backward
+        reads only the indices) whose storage autograd provably did not save. Never for a
+        group whose forward ran without the watch, under activation checkpointing (the
+        recompute reads the weights) or with tied weights (not in an embedding buffer)."""
+        if self.unshard_in_backward is False:
+            return set(range(len(self.buffers)))
+        f = self.fwd
+        if self.unshard_in_backward is True or self._recomputed or not f.ran or f.unknown or f.seen == 0:
+            return set()
+        return {b for b in self._embedding_buffers if b not in f.saved}
 
     def reshard_post_forward(self) -> None:
         """Keep this rank's 1/k part of each unsharded buffer (k = reshard_after_forward),
@@ -304,6 +389,7 @@ class ParamGroup:
             if self.fwd.stale:
                 self.fwd = _Forward()
             self.fwd.ran = True
+            self._start_watch()
             args, kwargs, attached = attach_post_backward(self._post_backward_from_autograd, args, kwargs)
             if attached:
                 self.fwd.calls += 1
@@ -313,20 +399,54 @@ class ParamGroup:
 
     def recompute_forward(self) -> None:
         """Forward run again inside backward (activation-checkpoint recomputation)."""
+        self._recomputed = True  # from now on backward always gathers everything
         self.unshard()
         self.wait_for_unshard()
-        if torch.is_grad_enabled():
-            if not self.fwd.ran:  # reentrant checkpoint: the first forward ran without grad
-                self.fwd.ran = True
-                self.fwd.blind = True
-            self._prepare_grads()
+        if torch.is_grad_enabled() and not self.fwd.ran:
+            # reentrant checkpoint: the first forward ran without grad
+            self.fwd.ran = True
+            self.fwd.blind = True
+
+    def _embedding_pre_forward(self, module, args) -> None:
+        """Each call of an embedding whose buffer backward might skip: the watch must be what
+        sees its saved tensors (not an activation checkpoint's hooks), and a recomputation
+        inside backward gets its weights gathered on the spot."""
+        if in_backward():
+            self.recompute_forward()
+            return
+        if not torch.is_grad_enabled():
+            return
+        w = self._watch
+        if w is None or not watching(w):
+            self.fwd.unknown = True
+
+    def _start_watch(self) -> None:
+        if not self._embedding_buffers or self._watch is not None:
+            return
+        storages = {self.buffers[b].unsharded.untyped_storage().data_ptr(): b
+                    for b in self._embedding_buffers if b not in self._freed}
+        self._watch = start_watch(storages)
+        if self._watch is None:
+            self.fwd.unknown = True
+
+    def _stop_watch(self) -> None:
+        w, self._watch = self._watch, None
+        if w is None:
+            return
+        stop_watch(w)
+        self.fwd.seen += w.seen
+        self.fwd.saved |= w.hit
+        self.fwd.unknown |= w.opaque
 
     def post_forward(self) -> None:
+        self._stop_watch()
         raf = self.reshard_after_forward
         if raf is True or (raf is not False and not torch.is_grad_enabled()):
             self.reshard()  # (no backward follows a no-grad forward: keep nothing)
         elif raf is not False:
             self.reshard_post_forward()
+        elif torch.is_grad_enabled():
+            self._free_buffers(self._skip_in_backward())  # kept for backward, which needs them not
         if torch.is_grad_enabled():
             order = self.ctx.post_forward_order
             self.bwd.post_forward_indices.append(len(order))
@@ -338,13 +458,24 @@ class ParamGroup:
         if self.training_state is TrainingState.PRE_BACKWARD and self.is_unsharded:
             return  # another output of the same group: already prepared
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
-        self.wait_for_unshard()
-        self._prepare_grads()
+        with record_function("ragged_fsdp::pre_backward"):
+            self.unshard()
+            self.wait_for_unshard()
         if implicit_prefetch and self.bwd.post_forward_indices:
             i = self.bwd.post_forward_indices.pop()
             if i > 0:
-                self.ctx.post_forward_order[i - 1].prefetch(TrainingState.PRE_BACKWARD)
+                nxt = self.ctx.post_forward_order[i - 1]
+                if self._is_root_group():
+                    # the root's pre-backward fires on the loss, before the loss's own backward
+                    # (logits-sized temporaries): gather the next group at the root's first
+                    # gradient instead, when those temporaries are gone
+                    self.bwd.deferred_prefetch = nxt
+                else:
+                    nxt.prefetch(TrainingState.PRE_BACKWARD)
+
+    def _is_root_group(self) -> bool:
+        states = self.ctx.all_states if self.ctx is not None else []
+        return bool(states) and states[0].group is self
 
     def prefetch(self, state: TrainingState) -> None:
         if self.is_unsharded or self._gathering is not None:
@@ -356,22 +487,25 @@ class ParamGroup:
         finally:
             self.training_state = prev
 
-    def _prepare_grads(self) -> None:
-        """Zeroed gradient buffers; the unsharded parameters' grads alias into them."""
-        if not self.is_unsharded:
-            return
-        for info in self.infos:
-            p = info.unsharded
-            if p is None or not p.requires_grad:
-                continue
-            buf = self.buffers[info.buffer]
-            if buf.grad is None:
-                buf.alloc_grad()
-            alias = buf.grad_view(info.slot)
+    def _on_grad(self, info: ParamInfo, grad: torch.Tensor) -> torch.Tensor:
+        """Runs before autograd accumulates a gradient into an unsharded parameter: the
+        group's gradient buffer exists from its first gradient on (not from pre-backward),
+        and the parameter's ``.grad`` becomes an alias into it, so the accumulation that
+        follows writes into the buffer in place."""
+        buf = self.buffers[info.buffer]
+        if buf.grad is None:
+            buf.alloc_grad()
+        p = info.unsharded
+        alias = buf.grad_view(info.slot)
+        if p is not None and p.grad is not alias:
             if p.grad is None:
                 p.grad = alias
-            elif p.grad is not alias:
+            else:
                 self._fold_foreign_grad(info)
+        nxt, self.bwd.deferred_prefetch = self.bwd.deferred_prefetch, None
+        if nxt is not None:
+            nxt.prefetch(TrainingState.PRE_BACKWARD)
+        return grad
 
     def _fold_foreign_grad(self, info: ParamInfo) -> None:
         """A gradient autograd made on its own (no alias was set): add it into the buffer."""
@@ -407,12 +541,15 @@ class ParamGroup:
             self.post_backward()
         elif self.reshard_after_backward and (self.sharded_state is not ShardedState.SHARDED or self._gathering is not None):
             self.reshard()
+        elif self._gathering is not None:  # a prefetch nobody used: finish it, keep the result
+            self.wait_for_unshard()
 
     def post_backward(self) -> None:
         """The group's gradients are complete: reduce them (or keep accumulating)."""
         if self.training_state is TrainingState.POST_BACKWARD:
             return
         self.training_state = TrainingState.POST_BACKWARD
+        self.bwd.deferred_prefetch = None
         for info in self.infos:
             p = info.unsharded
             if p is not None and p.grad is not None:
@@ -525,7 +662,9 @@ class ParamGroup:
                         info.unsharded = None
             for (k, info), t, o in zip(mine, new, old):
                 src = t if t is not None else o
-                if src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
+                if src.device.type == "meta" and buf.device.type != "meta":
+                    pass  # no data to keep (to_empty of a list group moves its modules one by one)
+                elif src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
                     buf.copy_local_(info.slot, src.to(device=buf.device, dtype=buf.dtype))
                 repoint(info.sharded, buf.sharded_view(info.slot))
                 info.register(info.sharded)

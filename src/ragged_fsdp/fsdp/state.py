@@ -29,7 +29,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .hooks import grad_tensors, in_backward
-from .param_group import ParamGroup, ShardedState, TrainingState
+from .param_group import ParamGroup, TrainingState
+from .saved import eager as _eager
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -78,9 +79,12 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] = []
         self._to_run: set[int] = set()  # modules of a list group still to run this pass
         self._handles = []
+        # torch.compile: the hooks run eagerly (a graph break at each), as FSDP2's do; dynamo
+        # traces the module's compute between them, on the plain unsharded parameters.
+        pre, post = _eager(self._pre_forward), _eager(self._post_forward)
         for m in modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._post_forward, prepend=False))
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(post, prepend=False))
 
     # -- lazy init -------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -189,8 +193,9 @@ class FSDPState:
     def _register_pre_backward(self, output: Any) -> Any:
         if not torch.is_grad_enabled():
             return output
+        hook = _eager(self._pre_backward)
         for t in grad_tensors(output):
-            t.register_hook(self._pre_backward)
+            t.register_hook(hook)
         return output
 
     # -- backward --------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ..planner.granularity import Granularity, TensorSpec
 
 __all__ = [
     "Tensor", "Group", "ModelShapes", "MODEL_CONFIGS", "get_model", "list_models",
-    "model_specs", "group_specs",
+    "model_specs", "group_specs", "model_from_config",
 ]
 
 
@@ -92,13 +92,21 @@ MODEL_CONFIGS: dict[str, dict] = {
                         shared_experts=1, experts_per_token=8, heads=128, q_lora_rank=1536,
                         kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                         v_head_dim=128),
+    # Kimi-K2 (Moonshot AI, public config.json): DeepSeek-V3's architecture with 384 routed
+    # experts, 64 heads and one dense layer.
+    "kimi-k2": dict(family="deepseek", vocab=163840, hidden=7168, layers=61, dense_layers=1,
+                    dense_intermediate=18432, moe_intermediate=2048, routed_experts=384,
+                    shared_experts=1, experts_per_token=8, heads=64, q_lora_rank=1536,
+                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                    v_head_dim=128),
     "qwen3-30b-a3b": dict(family="qwen3-moe", vocab=151936, hidden=2048, layers=48, heads=32,
                           kv_heads=4, head_dim=128, experts=128, experts_per_token=8,
                           moe_intermediate=768),
 }
 
 _VARIANTS = {"gpt-oss": ("fused", "separate"), "deepseek": ("separate", "fused"),
-             "qwen3-moe": ("separate", "fused")}  # first = the reference layout (default)
+             "qwen3-moe": ("separate", "fused"), "mixtral": ("separate", "fused")}
+# first = the reference layout (default)
 
 
 def list_models(include_variants: bool = False) -> list[str]:
@@ -121,7 +129,15 @@ def get_model(model_id: str, variant: str | None = None) -> ModelShapes:
         variant = suffix
     if base not in MODEL_CONFIGS:
         raise ValueError(f"unknown model {base!r}; known: {', '.join(list_models(True))}")
-    cfg = MODEL_CONFIGS[base]
+    return model_from_config(base, MODEL_CONFIGS[base], variant)
+
+
+def model_from_config(base: str, cfg: dict, variant: str | None = None) -> ModelShapes:
+    """Shapes of a model described by a catalog-style config dict (``family`` plus the
+    family's fields, as in :data:`MODEL_CONFIGS`); used for catalog ids and for Hugging
+    Face ``config.json`` files translated by ``ragged_fsdp.sim.hf_config``."""
+    if cfg.get("family") not in _LAYERS:
+        raise ValueError(f"model {base!r}: family {cfg.get('family')!r} is not one of {sorted(_LAYERS)}")
     variants = _VARIANTS.get(cfg["family"], ())
     if variant is not None and variant not in variants:
         raise ValueError(
@@ -132,8 +148,10 @@ def get_model(model_id: str, variant: str | None = None) -> ModelShapes:
     layer_fn = _LAYERS[cfg["family"]]
     groups = [Group("embed", [Tensor("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"]))])]
     groups += [Group(f"layers.{i}", layer_fn(cfg, i, variant)) for i in range(cfg["layers"])]
-    groups.append(Group("head", [Tensor("model.norm.weight", (cfg["hidden"],)),
-                                 Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"]))]))
+    head = [Tensor("model.norm.weight", (cfg["hidden"],))]
+    if not cfg.get("tied_embeddings"):  # tied: the head reuses the embedding's weight
+        head.append(Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"])))
+    groups.append(Group("head", head))
     mid = base if variant in (None, variants[0] if variants else None) else f"{base}:{variant}"
     return ModelShapes(mid, base, variant, dict(cfg), groups)
 
@@ -236,8 +254,28 @@ def _qwen3_moe_layer(c: dict, i: int, variant):
     return out
 
 
+def _mixtral_layer(c: dict, i: int, variant):
+    """Mixtral: the LLaMA attention with a routed SwiGLU MoE (``w1``/``w3`` in, ``w2`` out)."""
+    p, h, q, kv, E, inter = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
+        c["kv_heads"] * c["head_dim"], c["experts"], c["intermediate"]
+    a, x = p + "self_attn.", p + "block_sparse_moe."
+    out = [Tensor(a + "q_proj.weight", (q, h)), Tensor(a + "k_proj.weight", (kv, h)),
+           Tensor(a + "v_proj.weight", (kv, h)), Tensor(a + "o_proj.weight", (h, q)),
+           Tensor(x + "gate.weight", (E, h))]
+    if variant == "fused":
+        out += [Tensor(x + "experts.w1", (E, inter, h)), Tensor(x + "experts.w3", (E, inter, h)),
+                Tensor(x + "experts.w2", (E, h, inter))]
+    else:
+        for j in range(E):
+            out += [Tensor(f"{x}experts.{j}.w1.weight", (inter, h)), Tensor(f"{x}experts.{j}.w2.weight", (h, inter)),
+                    Tensor(f"{x}experts.{j}.w3.weight", (inter, h))]
+    out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
+    return out
+
+
 _LAYERS: dict[str, Callable] = {"llama": _llama_layer, "gpt-oss": _gpt_oss_layer,
-                                "deepseek": _deepseek_layer, "qwen3-moe": _qwen3_moe_layer}
+                                "deepseek": _deepseek_layer, "qwen3-moe": _qwen3_moe_layer,
+                                "mixtral": _mixtral_layer}
 
 
 # -- to planner specs ------------------------------------------------------------------

@@ -221,8 +221,11 @@ class Muon(Optimizer):
     Args:
         params: parameters or param groups (named parameters give better error messages).
             A group uses Muon unless it sets ``use_muon=False``.
-        lr: learning rate (default 1e-3).
-        weight_decay: decoupled weight decay (default 0.1).
+        lr: learning rate of Muon groups (default 1e-3).
+        weight_decay: decoupled weight decay of every group that does not set its own, Muon
+            and AdamW (``use_muon=False``) groups alike. Default (None): 0.1 for Muon groups
+            (``torch.optim.Muon``'s) and ``adamw_defaults["weight_decay"]`` (0.01,
+            ``torch.optim.AdamW``'s) for AdamW groups.
         momentum: momentum factor (default 0.95).
         nesterov: Nesterov momentum (default True).
         ns_coefficients: quintic Newton-Schulz coefficients ``(a, b, c)``.
@@ -231,6 +234,8 @@ class Muon(Optimizer):
         adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"``.
         adamw_defaults: defaults for ``use_muon=False`` groups; keys ``lr``, ``betas``, ``eps``,
             ``weight_decay``, default ``torch.optim.AdamW``'s (1e-3, (0.9, 0.999), 1e-8, 1e-2).
+            An AdamW group's key comes from the group, else ``adamw_defaults``, else (for
+            ``weight_decay`` only) the ``weight_decay`` argument, else AdamW's default.
 
     After each step ``last_step_stats`` holds this rank's Newton-Schulz flops, the flops of
     every rank, the bytes this rank sent, and what an all-gather-everything design would send.
@@ -242,7 +247,7 @@ class Muon(Optimizer):
         self,
         params,
         lr: float = 1e-3,
-        weight_decay: float = 0.1,
+        weight_decay: float | None = None,
         momentum: float = 0.95,
         nesterov: bool = True,
         ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
@@ -259,6 +264,11 @@ class Muon(Optimizer):
                 raise ValueError(f"Muon: adamw_defaults has unknown keys {sorted(unknown)}; "
                                  f"known: {sorted(ADAMW_DEFAULTS)}")
             self._adamw_defaults.update(adamw_defaults)
+        if weight_decay is None:
+            weight_decay = 0.1
+        elif "weight_decay" not in (adamw_defaults or {}):
+            # An explicit weight_decay is the model's decay, not Muon's alone.
+            self._adamw_defaults["weight_decay"] = weight_decay
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
             "ns_coefficients": tuple(ns_coefficients), "eps": eps, "ns_steps": ns_steps,

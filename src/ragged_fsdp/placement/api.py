@@ -41,6 +41,8 @@ def from_local(
     if shape is None:
         raise ValueError("from_local: shape= (the global shape) is required with a RaggedShard placement")
     spec = make_spec(mesh, placements, shape, local.dtype)
+    if mesh.get_coordinate() is None:  # not in the mesh: an empty piece, as torch does
+        return wrap(local.detach().new_empty(0), spec, requires_grad=bool(requires_grad))
     d = ragged_dim(spec.placements)
     rank = mesh.get_local_rank(d)
     want = spec.placements[d].local_shape(spec.shape, rank)
@@ -85,6 +87,10 @@ def distribute_tensor(
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor: tensor is already a DTensor; use ragged_fsdp.redistribute")
     spec = make_spec(mesh, placements, tuple(tensor.shape), tensor.dtype)
+    if mesh.get_coordinate() is None:
+        # This rank is not in the mesh: it holds nothing and takes part in no collective
+        # (torch's distribute_tensor does the same).
+        return wrap(tensor.detach().new_empty(0), spec, requires_grad=tensor.requires_grad)
     d = ragged_dim(spec.placements)
     rank, group, world = mesh.get_local_rank(d), mesh.get_group(d), mesh.size(d)
     ranges = element_ranges(spec)

@@ -11,6 +11,7 @@ data-parallel layout; a second sharded mesh dim is future work).
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .ragged_shard import RaggedShard
 
-__all__ = ["RaggedDTensor", "ragged_dim", "make_spec", "wrap", "spec_mismatch"]
+__all__ = ["RaggedDTensor", "ragged_dim", "make_spec", "wrap", "spec_mismatch", "rebuild_ragged"]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -133,6 +134,35 @@ class RaggedDTensor(DTensor):
         spec, requires_grad = flatten_spec
         return RaggedDTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
+    # -- pickling and copying (torch.save, copy.deepcopy, multiprocessing) -------------
+    # torch's generic path pickles a wrapper subclass by its own storage when its data
+    # pointer is non-zero, and a wrapper built over a local piece that starts at a
+    # non-zero offset of a shared flat buffer has a non-zero (fake) pointer and no real
+    # storage: "invalid python storage". So we reduce to (local piece, spec) ourselves,
+    # with the piece copied out compactly: the shared buffer behind it is not saved.
+    def __reduce_ex__(self, proto):
+        state = dict(self.__dict__)
+        for key in ("_sym_size_cache", "_sym_stride_cache"):  # torch's per-object caches
+            state.pop(key, None)
+        return (rebuild_ragged, (_compact(self._local_tensor), self._spec, self.requires_grad, state or None))
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError(
+                "RaggedDTensor: only leaf tensors (parameters, state-dict entries, detached "
+                "tensors) can be deep-copied, as for torch.Tensor; detach() it first"
+            )
+        with torch.no_grad():
+            local = self._local_tensor.detach().clone()
+        out = RaggedDTensor(local, self._spec, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        out.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return out
+
     # -- user-facing conversions (differentiable) --------------------------------------
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         if not torch.is_grad_enabled() or not self.requires_grad:
@@ -175,6 +205,28 @@ class RaggedDTensor(DTensor):
     @property
     def ragged_placement(self) -> RaggedShard:
         return self._spec.placements[ragged_dim(self._spec.placements)]
+
+
+def _compact(local: torch.Tensor) -> torch.Tensor:
+    """``local`` detached, in storage of its own size (a copy when it is a view into a
+    larger buffer), so pickling writes this rank's elements and nothing else."""
+    local = local.detach()
+    if local.device.type == "meta" or isinstance(local, torch._subclasses.fake_tensor.FakeTensor):
+        return local
+    whole = local.storage_offset() == 0 and local.untyped_storage().nbytes() == local.numel() * local.element_size()
+    if whole and local.is_contiguous():
+        return local
+    with torch.no_grad():
+        return local.clone(memory_format=torch.contiguous_format)
+
+
+def rebuild_ragged(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool, state=None) -> RaggedDTensor:
+    """Unpickling: the inverse of ``RaggedDTensor.__reduce_ex__`` (registered with
+    ``torch.serialization.add_safe_globals`` so ``torch.load(weights_only=True)`` accepts it)."""
+    out = RaggedDTensor(local, spec, requires_grad=bool(requires_grad))
+    if state:
+        out.__dict__.update(state)
+    return out
 
 
 def wrap(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool = False) -> RaggedDTensor:

@@ -11,7 +11,8 @@ Four kinds of ops are supported, each with the rule that makes it exact:
   seed gives the same values at every world size (the RNG advances as in one process);
 * reductions (``norm``, ``sum``, ``max``, ``min``, ``_foreach_norm``): reduce locally, then
   one all-reduce over the ragged mesh dim; the result is a Replicate DTensor;
-* ``copy_`` from a plain tensor of the global shape (``load_state_dict``): copies our slice.
+* ``copy_`` from a plain tensor of the global shape (``load_state_dict``) or a Replicate
+  DTensor: copies our slice; from another DTensor layout: redistributes first.
 
 Anything else raises an error naming the op and the way out.
 """
@@ -207,10 +208,7 @@ def _random(func, args, kwargs):
 
 def _copy_from_full(dst: RaggedDTensor, src):
     if isinstance(src, DTensor):
-        raise ValueError(
-            f"ragged_fsdp: copy_ into a RaggedShard DTensor from a DTensor with placements "
-            f"{src.placements}; redistribute the source to the same RaggedShard first"
-        )
+        return _copy_from_dtensor(dst, src)
     if not isinstance(src, torch.Tensor) or tuple(src.shape) != tuple(dst.shape):
         shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
         raise ValueError(
@@ -221,6 +219,30 @@ def _copy_from_full(dst: RaggedDTensor, src):
     a, b = element_ranges(dst._spec)[rank]
     piece = src.reshape(-1)[a:b].view(dst._local_tensor.shape)
     dst._local_tensor.copy_(piece)
+    return dst
+
+
+def _copy_from_dtensor(dst: RaggedDTensor, src: DTensor):
+    """``copy_`` from one of torch's DTensors on the same mesh (state-dict hooks that build
+    a full Replicate tensor, e.g. torchtitan's fused QKV): a Replicate source already holds
+    the whole tensor on every rank, so we copy our slice with no communication; any other
+    layout is first moved to ours (collective, as copy_ between DTensors is in torch)."""
+    if src.device_mesh != dst.device_mesh:
+        raise ValueError(
+            f"ragged_fsdp: copy_ into a RaggedShard DTensor on {dst.device_mesh} from a DTensor "
+            f"on another mesh ({src.device_mesh}); bring the source to the same mesh first"
+        )
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(
+            f"ragged_fsdp: copy_ into a RaggedShard DTensor of shape {tuple(dst.shape)} from a "
+            f"DTensor of shape {tuple(src.shape)}; the global shapes must match"
+        )
+    if all(isinstance(p, Replicate) for p in src.placements):
+        return _copy_from_full(dst, src._local_tensor)
+    from .redistribute import redistribute
+
+    moved = redistribute(src.detach(), dst.device_mesh, dst.placements)
+    dst._local_tensor.copy_(moved._local_tensor.view(dst._local_tensor.shape))
     return dst
 
 

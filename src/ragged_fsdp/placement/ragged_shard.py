@@ -12,6 +12,7 @@ Everything here is pure: no process group, no tensor data. The DTensor side live
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 
 from torch.distributed.tensor.placement_types import Placement
@@ -39,22 +40,23 @@ class RaggedShard(Placement):
 
     def __init__(self, dims: Sequence[int], local_units: Sequence[int], unit: int = 1):
         super().__init__()
-        dims = tuple(int(d) for d in dims)
+        dims = _ints("dims", dims)
         if dims != tuple(range(len(dims))):
             raise ValueError(
                 f"RaggedShard: dims={dims} must be a prefix (0, 1, ..., k-1) of the tensor dims; "
                 "reorder the tensor (permute) so the sharded dims come first"
             )
-        units = tuple(int(u) for u in local_units)
+        units = _ints("local_units", local_units)
         if not units or any(u < 0 for u in units):
             raise ValueError(
                 f"RaggedShard: local_units={units} must be one non-negative count per rank"
             )
-        if int(unit) < 1:
+        unit = _int("unit", unit)
+        if unit < 1:
             raise ValueError(f"RaggedShard: unit={unit} must be >= 1 entries of the flattened axis")
         self.dims = dims
         self.local_units = units
-        self.unit = int(unit)
+        self.unit = unit
 
     # -- identity ----------------------------------------------------------------------
     def _key(self):
@@ -161,6 +163,29 @@ class RaggedShard(Placement):
             (off + (0,) * (len(shape) - k), size + shape[k:])
             for off, size in _split_run(shape[:k], a, b)
         ]
+
+
+def _int(name: str, value) -> int:
+    """``value`` as an int, refusing what ``int()`` would silently coerce (2.5, "12", True):
+    a layout that rounds a count is a different layout, so it must be the caller's choice."""
+    if isinstance(value, bool) or isinstance(value, str):
+        raise TypeError(f"RaggedShard: {name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"RaggedShard: {name} must be an integer, got {value!r} ({type(value).__name__}); "
+            "pass whole counts (e.g. int(x) if you mean to round)"
+        ) from None
+
+
+def _ints(name: str, values) -> tuple[int, ...]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
+        raise TypeError(
+            f"RaggedShard: {name} must be a sequence of integers (one per "
+            f"{'rank' if name == 'local_units' else 'dim'}), got {values!r}"
+        )
+    return tuple(_int(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
 def _unravel(index: int, dims: Sequence[int]) -> list[int]:

@@ -20,7 +20,7 @@ from .granularity import TensorSpec
 from .plan import Plan
 from .problem import Problem, earliest_start
 
-__all__ = ["solve_exact", "exact_segment", "feasible_end", "MAX_EXACT_STATES"]
+__all__ = ["solve_exact", "exact_segment", "feasible_end", "exact_below", "MAX_EXACT_STATES"]
 
 MAX_EXACT_STATES = 2_000_000
 
@@ -32,9 +32,15 @@ def _kinds(prob: Problem) -> list[tuple[int, int, list[int]]]:
     return [(e, L, members) for (e, L), members in kinds.items()]
 
 
-def feasible_end(prob: Problem, S: int, kinds=None):
+class _OutOfBudget(Exception):
+    pass
+
+
+def feasible_end(prob: Problem, S: int, kinds=None, budget: list[int] | None = None):
     """Least aligned end of any layout of all tensors with segment ``S`` that stays within
-    ``W*S``, and the parent links to rebuild it; ``(None, None)`` when there is none."""
+    ``W*S``, and the parent links to rebuild it; ``(None, None)`` when there is none.
+    ``budget`` (a one-item list) counts down per state expanded; at zero the walk stops
+    with :class:`_OutOfBudget`."""
     kinds = kinds or _kinds(prob)
     a, cap = prob.a, prob.world_size * S
     counts = tuple(len(m) for _, _, m in kinds)
@@ -43,6 +49,10 @@ def feasible_end(prob: Problem, S: int, kinds=None):
     parent: dict[tuple, tuple] = {}
     for _ in range(sum(counts)):
         nxt: dict[tuple, int] = {}
+        if budget is not None:
+            budget[0] -= len(layer) * len(kinds)
+            if budget[0] < 0:
+                raise _OutOfBudget
         for state, p in layer.items():
             for k, (e, L, _) in enumerate(kinds):
                 if state[k] == counts[k]:
@@ -59,6 +69,41 @@ def feasible_end(prob: Problem, S: int, kinds=None):
             return None, None
         layer = nxt
     return layer[counts], parent
+
+
+def _offsets(prob: Problem, kinds, parent) -> list[int]:
+    offs = [0] * prob.n
+    state = tuple(len(m) for _, _, m in kinds)
+    while any(state):
+        prev, k, l = parent[state]
+        offs[kinds[k][2][prev[k]]] = l
+        state = prev
+    return offs
+
+
+def exact_below(prob: Problem, cond: Conditions, s_from: int, s_to: int,
+                budget: int, max_candidates: int = 32) -> tuple[int, list[int]] | None:
+    """The least feasible segment in ``[s_from, s_to)`` and its offsets, walking the
+    admissible candidates upward; None when there is none below ``s_to`` or when the walk
+    would cost more than ``budget`` state expansions or ``max_candidates`` segment sizes
+    (then nothing is claimed).
+
+    The planner calls this after the heuristic (``s_to`` = its segment) on groups where the
+    walk is cheap: few tensors or few distinct kinds, and a short way from the bound."""
+    kinds = _kinds(prob)
+    left = [budget]
+    S = cond.next_candidate(s_from)
+    try:
+        for _ in range(max_candidates):
+            if S >= s_to:
+                return None
+            end, parent = feasible_end(prob, S, kinds, left)
+            if end is not None:
+                return S, _offsets(prob, kinds, parent)
+            S = cond.next_candidate(S + 1)
+    except _OutOfBudget:
+        return None
+    return None
 
 
 def exact_segment(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 16,
@@ -94,11 +139,7 @@ def solve_exact(specs: Sequence[TensorSpec], world_size: int, align_bytes: int =
             if s_max is not None and S >= s_max:
                 raise RuntimeError(f"no layout found up to S={s_max}; s_max is not feasible")
             S = cond.next_candidate(S + 1)
-        state = tuple(len(m) for _, _, m in kinds)
-        while any(state):
-            prev, k, l = parent[state]
-            offs[kinds[k][2][prev[k]]] = l
-            state = prev
+        offs = _offsets(prob, kinds, parent)
     names = prob.names
     return Plan(
         world_size=prob.world_size, segment=S,

@@ -1,0 +1,161 @@
+"""`python -m ragged_fsdp simulate`: per-rank memory, step time, MFU and tokens/s of
+ragged_fsdp, FSDP2, FSDP1, DeepSpeed ZeRO-3 and Megatron-FSDP, from shapes only.
+
+    python -m ragged_fsdp simulate --model gpt-oss-120b --gpus 1024 --gpu h100 \\
+        --optimizer adamw --dtype bf16 --seq 4096 --micro-batch 1 --act-ckpt full \\
+        [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | auto] \\
+        [--frameworks ragged,fsdp2,fsdp1,deepspeed,megatron] [--sweep gpus=64..16384] \\
+        [--json] [--plot out.png]
+    python -m ragged_fsdp simulate --calibrate [--profile-out out/cpu_profile.json]
+
+Layouts come from the real planner; each framework differs only where it really does
+(layout and padding, copies, buffer lifetimes, collective granularity), and the output names
+each difference. hsdp=RxS means R replicas of S-rank shard groups. --model also takes a
+Hugging Face config.json (Llama, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..models.catalog import list_models
+from ..sim.mesh import parse_mesh
+from ..sim.profiles import PROFILES, get_profile
+from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
+from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
+
+_OVERRIDES = [  # flag, profile field, scale, help
+    ("--gpu-hbm-gb", "hbm_bytes", 1e9, "device memory, GB"),
+    ("--gpu-tflops", "flops", 1e12, "peak dense TFLOP/s in the compute dtype"),
+    ("--gpu-mem-bw-gbs", "mem_bw", 1e9, "memory bandwidth, GB/s"),
+    ("--gpu-nvlink-gbs", "nvlink_bw", 1e9, "NVLink bandwidth one way per GPU, GB/s"),
+    ("--gpu-net-gbs", "net_bw", 1e9, "network bandwidth one way per GPU, GB/s (400 Gb/s = 50)"),
+    ("--gpus-per-node", "gpus_per_node", 1, "GPUs per node"),
+    ("--efficiency", "efficiency", 1, "fraction of peak flops the matmuls reach"),
+    ("--overlap", "overlap", 1, "fraction of communication that can hide under compute"),
+    ("--reserved-gb", "reserved_bytes", 1e9, "memory reserve for context/NCCL/allocator, GB"),
+]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate", help="per-rank memory, step time, MFU, tokens/s of every framework at 64..16384 GPUs",
+        description=__doc__.split("\n\n", 1)[1].strip(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3-70b",
+                   help="catalog id or a Hugging Face config.json path; ids: " + ", ".join(list_models(True)))
+    p.add_argument("--gpus", type=int, default=1024, help="number of GPUs (default 1024)")
+    p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(PROFILES)} or a profile JSON")
+    for flag, _, _, hlp in _OVERRIDES:
+        p.add_argument(flag, type=float, default=None, help=f"override the profile: {hlp}")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit", "muon"))
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype")
+    p.add_argument("--seq", type=int, default=4096, help="sequence length")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
+    p.add_argument("--act-ckpt", default="full", choices=("none", "selective", "full"))
+    p.add_argument("--mesh", default=None, help="dp=N | hsdp=RxS | tp=T,dp=N | ep=E,dp=N | auto (default dp=GPUS)")
+    p.add_argument("--granularity", default="auto",
+                   help="ragged_fsdp's block rule (element, row, rows:K, block:N, tensor, matrix); "
+                        "auto follows the optimizer")
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list of " + ", ".join(FRAMEWORKS))
+    p.add_argument("--sweep", default=None, help="gpus=LO..HI: weak and strong scaling tables (powers of two)")
+    p.add_argument("--plot", default=None, help="with --sweep: write the scaling plot (PNG) here")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (gloo collectives at W=2, matmul, memcpy) and write a profile")
+    p.add_argument("--profile-out", default="out/sim/cpu_profile.json", help="where --calibrate writes")
+    return p
+
+
+def _profile(args):
+    prof = get_profile(args.gpu)
+    kw = {}
+    for flag, field, scale, _ in _OVERRIDES:
+        v = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if v is not None:
+            if v <= 0:
+                raise ValueError(f"{flag} must be > 0 (got {v})")
+            kw[field] = int(v) if field == "gpus_per_node" else v * scale
+    return prof.with_overrides(**kw)
+
+
+def _sweep_mesh(spec: str, gpus: int) -> str:
+    """With --sweep, an explicit dp= is recomputed per size: drop it so --gpus decides."""
+    return ",".join(p for p in spec.split(",") if not p.strip().startswith("dp=")) or f"dp={gpus}"
+
+
+def run(args) -> int:
+    if args.calibrate:
+        from ..sim.calibrate import calibrate
+
+        calibrate(args.profile_out)
+        return 0
+    try:
+        prof = _profile(args)
+        frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+        for f in frameworks:
+            if f not in FRAMEWORKS:
+                raise ValueError(f"--frameworks: unknown {f!r}; known: {', '.join(FRAMEWORKS)}")
+        if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
+            raise ValueError("--gpus, --seq and --micro-batch must be >= 1")
+        mesh = parse_mesh(args.mesh, args.gpus) if not args.sweep or args.mesh is None or "dp=" not in args.mesh \
+            else parse_mesh(_sweep_mesh(args.mesh, args.gpus), args.gpus)
+        gran = None if args.granularity == "element" else args.granularity
+        sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
+                      args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran)
+        why = {}
+        if args.sweep:
+            m0 = sc.mesh
+
+            def mesh_fn(g, m0=m0):  # keep TP / EP / the HSDP shard size; dp (or replicas) grows
+                from ..sim.mesh import Mesh
+
+                fixed = m0.tp * m0.ep * (m0.dp if m0.replicate > 1 else 1)
+                if g % fixed:
+                    raise ValueError(f"--sweep: {g} GPUs is not a multiple of {fixed} (mesh {m0})")
+                if m0.replicate > 1:
+                    return Mesh(m0.dp, g // fixed, m0.tp, m0.ep)
+                return Mesh(g // fixed, 1, m0.tp, m0.ep)
+
+            if mesh is None:
+                raise ValueError("--sweep needs a fixed --mesh shape (not auto)")
+            weak, strong = sweep(sc, args.sweep, frameworks, mesh_fn)
+            if args.json:
+                print(json.dumps({"weak": {g: [r.to_json() for r in rs] for g, rs in weak.items()},
+                                  "strong": {g: [r.to_json() for r in rs] for g, rs in strong.items()}},
+                                 indent=1, default=str))
+            else:
+                print(f"{args.model} on {prof.name}, {args.optimizer}, seq {args.seq}, micro-batch "
+                      f"{args.micro_batch}, act-ckpt {args.act_ckpt}\n")
+                print(format_sweep(weak, strong, frameworks))
+            if args.plot:
+                plot_sweep(weak, strong, frameworks, args.plot,
+                           f"{args.model}, {prof.name}, seq {args.seq} x {args.micro_batch}, {args.optimizer}")
+                print(f"wrote {args.plot}", file=sys.stderr)
+            return 0
+        if mesh is None:
+            results, why = simulate_auto(sc, frameworks)
+        else:
+            results = simulate(sc, frameworks)
+    except ValueError as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"scenario": {"model": args.model, "gpus": args.gpus, "profile": prof.to_json(),
+                                       "optimizer": args.optimizer, "dtype": args.dtype, "seq": args.seq,
+                                       "micro_batch": args.micro_batch, "act_ckpt": args.act_ckpt},
+                          "results": [r.to_json() for r in results], "auto": why,
+                          "assumptions": ASSUMPTIONS}, indent=1, default=str))
+        return 0
+    print(format_table(results, f"{args.model} on {args.gpus:,} x {prof.name} ({args.optimizer}, {args.dtype}, "
+                                f"seq {args.seq} x {args.micro_batch}, act-ckpt {args.act_ckpt})"))
+    print()
+    for r in results:
+        top = sorted(r.memory_items.items(), key=lambda kv: -kv[1])[:4]
+        print(f"{r.framework} [{r.status}]: " + "; ".join(r.differences))
+        print("    peak: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
+        print("    time: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.time_parts.items() if v))
+        if r.framework in why:
+            print(f"    mesh auto: {why[r.framework]}")
+    return 0

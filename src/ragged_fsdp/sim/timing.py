@@ -1,0 +1,117 @@
+"""Step time of one rank: compute from flops and an efficiency factor, the collectives of
+every group with alpha-beta costs, overlap one group ahead, framework copies, the
+optimizer step (memory-bound; Muon's Newton-Schulz on each matrix's owner).
+
+Overlap: the all-gather of the next group runs while the current group computes (forward
+and backward), the reduce-scatter of a group while the next group's backward computes. A
+fraction ``profile.overlap`` of a collective can hide under that compute; what does not is
+exposed. The first all-gather and the last reduce-scatter are always exposed. Copies
+(copy-out/copy-in) run on the compute stream, so they add to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .buffers import LIFETIMES
+from .comm import allreduce_time, alltoall_time, collective_time
+from .layout import GroupLayout
+from .profiles import GPUProfile
+
+__all__ = ["TimeInputs", "TimeResult", "step_time", "newton_schulz_flops"]
+
+
+@dataclass
+class TimeInputs:
+    layouts: list[GroupLayout]
+    fwd_flops: list[float]  # matmul flops of each group's forward, per rank
+    recompute: float  # extra forward fraction in backward (activation checkpointing)
+    cb: int
+    rb: int
+    replicate: int = 1  # HSDP replicas (all-reduce of the sharded gradient across them)
+    kept: set = field(default_factory=set)
+    root: int | None = None
+    reshard_after_forward: bool = True
+    opt_elems: float = 0.0  # sharded elements the optimizer updates
+    optimizer: str = "adamw"
+    ns_flops: float = 0.0  # Muon: Newton-Schulz flops of all matrices (whole model)
+    ns_world: int = 1  # ranks sharing the Newton-Schulz work (ragged: owners; others: none)
+    ns_gather_bytes: float = 0.0  # Muon: bytes of whole matrices each rank assembles (all-gather)
+    ns_a2a_bytes: float = 0.0  # Muon: bytes each rank sends to / receives from owners (all-to-all)
+    ep_bytes: float = 0.0  # EP all-to-all bytes per rank per step (dispatch + combine, fwd + bwd)
+    ep_world: int = 1
+    tp_bytes: float = 0.0  # TP collective bytes per rank per step
+    tp_world: int = 1
+    extra_compute: float = 0.0  # seconds of non-matmul work (calibrated CPU profiles)
+
+
+@dataclass
+class TimeResult:
+    step: float
+    compute: float
+    exposed_comm: float
+    total_comm: float
+    copies: float
+    optimizer: float
+    parts: dict
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = 5) -> float:
+    """Flops of ``steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix (m <= n):
+    A = X X^T (2 m^2 n), B = b A + c A A (2 m^3), X = a X + B X (2 m^2 n)."""
+    m, n = min(m, n), max(m, n)
+    return steps * (4.0 * m * m * n + 2.0 * m ** 3)
+
+
+def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
+    life = LIFETIMES[framework]
+    L = t.layouts
+    n = len(L)
+    rate = (prof.fp32_flops or prof.flops) if t.cb == 4 and prof.fp32_flops else prof.flops
+    rate *= prof.efficiency
+    comp_f = [f / rate for f in t.fwd_flops]
+    comp_b = [2 * c + t.recompute * c for c in comp_f]
+    ag = [collective_time(prof, "all_gather", g.gathered * t.cb, g.shard_world, g.stride) for g in L]
+    rs = [collective_time(prof, "reduce_scatter", g.gathered * t.rb, g.shard_world, g.stride)
+          + allreduce_time(prof, g.segment * t.rb, t.replicate, g.stride * g.shard_world) for g in L]
+    o = prof.overlap
+
+    def hide(comm, comp):
+        return max(comm - o * comp, (1 - o) * comm)
+
+    order = ([t.root] if t.root is not None else []) + [i for i in range(n) if i != t.root]
+    exposed = ag[order[0]] if order else 0.0
+    kept = set(t.kept) | ({t.root} if t.root is not None else set())
+    for pos, i in enumerate(order[:-1]):
+        exposed += hide(ag[order[pos + 1]], comp_f[i])
+    back = [i for i in reversed(range(n)) if i != t.root]
+    regather = [ag[i] if (t.reshard_after_forward and i not in kept) else 0.0 for i in range(n)]
+    if back:
+        exposed += regather[back[0]]
+    for pos, i in enumerate(back):
+        comm = (regather[back[pos + 1]] if pos + 1 < len(back) else 0.0) + (rs[back[pos - 1]] if pos else 0.0)
+        exposed += hide(comm, comp_b[i])
+    if back:
+        exposed += rs[back[-1]]
+    if t.root is not None:
+        exposed += rs[t.root]
+    total_comm = sum(ag) + sum(regather) + sum(rs)
+    gathers = [1 + (1 if regather[i] else 0) for i in range(n)]
+    copy_bytes = sum(life.copy_out(g, t.cb) * gathers[i] + life.copy_in(g, t.rb) for i, g in enumerate(L))
+    copies = 2 * copy_bytes / prof.mem_bw  # read + write
+    # optimizer: AdamW reads p, g, m, v and writes p, m, v (+ one temporary): 9 fp32 passes
+    if t.optimizer == "adamw":
+        opt = t.opt_elems * 36 / prof.mem_bw
+    elif t.optimizer == "adamw8bit":
+        opt = t.opt_elems * (4 * 3 + 2 * 2 + 8) / prof.mem_bw
+    else:
+        opt = t.opt_elems * 24 / prof.mem_bw + t.ns_flops / max(1, t.ns_world) / rate
+        opt += collective_time(prof, "all_gather", t.ns_gather_bytes, max(2, t.ns_world)) if t.ns_gather_bytes else 0.0
+        opt += alltoall_time(prof, t.ns_a2a_bytes, t.ns_world) if t.ns_a2a_bytes else 0.0
+    ep = alltoall_time(prof, t.ep_bytes, t.ep_world)
+    tp = collective_time(prof, "all_gather", t.tp_bytes, t.tp_world)
+    compute = sum(comp_f) + sum(comp_b) + t.extra_compute
+    step = compute + exposed + copies + opt + ep + tp
+    parts = {"compute": compute, "exposed comm": exposed, "copies": copies, "optimizer": opt,
+             "ep all-to-all": ep, "tp collectives": tp}
+    return TimeResult(step, compute, exposed, total_comm, copies, opt, parts)

@@ -1,0 +1,201 @@
+"""Buffer lifetimes (gloo, W = 2, 3), each checked against single-process training.
+
+- The gradient buffer of a group exists from its first gradient on, not from its
+  pre-backward (the root's pre-backward fires on the loss, before the loss's own backward),
+  and the root's backward prefetch waits for that first gradient too.
+- Embedding weights live in their own buffer; their backward needs only the indices, so
+  after forward that buffer is freed even where the group keeps its parameters
+  (the root), and backward does not gather it again. Never with tied weights, with the
+  embedding run under activation checkpointing, or when ``set_unshard_in_backward(True)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from _dist import check_case, cpu_mesh, run_cases
+from _patterns import _ce, _tiny, _wrap_blocks, compare_steps
+
+import ragged_fsdp.fsdp.param_group as pg
+from ragged_fsdp.fsdp.hooks import in_backward
+from ragged_fsdp.models.llama import Llama
+
+
+class _GatherLog:
+    """Records (buffer, in backward) for every all-gather the engine issues."""
+
+    def __init__(self):
+        self.calls = []
+        self._orig = pg.all_gather
+
+    def __enter__(self):
+        def counted(dev, comm, buf, **kw):
+            self.calls.append((buf, in_backward()))
+            return self._orig(dev, comm, buf, **kw)
+
+        pg.all_gather = counted
+        return self
+
+    def __exit__(self, *exc):
+        pg.all_gather = self._orig
+
+
+def _root_group(model):
+    return model._fsdp_state().group
+
+
+def _step(m, t, y, distributed):
+    _ce(m(t), y).backward()
+
+
+def case_embedding_not_regathered(rank, world):
+    with _GatherLog() as log:
+        model = compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, _step)
+    g = _root_group(model)
+    (emb,) = g._embedding_buffers
+    emb_buf = g.buffers[emb]
+    assert len(g.buffers) == 2, "the root keeps norm/head and the embedding in separate buffers"
+    assert not [b for b, bwd in log.calls if bwd and b is emb_buf], "embedding gathered in backward"
+    assert [b for b, bwd in log.calls if not bwd and b is emb_buf], "embedding never gathered"
+    # after forward the root keeps its head, but not its embedding
+    t = torch.randint(0, 96, (2, 8))
+    loss = model.loss(t, t)
+    assert not emb_buf.unsharded_allocated or world == 1
+    assert all(b.unsharded_allocated for i, b in enumerate(g.buffers) if i != emb)
+    loss.backward()
+
+
+def case_tied_embedding_always_gathered(rank, world):
+    with _GatherLog() as log:
+        model = compare_steps(rank, world, lambda: Llama(_tiny(tie_embeddings=True)), _wrap_blocks, _step)
+    g = _root_group(model)
+    assert not g._embedding_buffers
+    assert len(g.buffers) == 1
+
+
+class _CheckpointedEmbedding(Llama):
+    def forward(self, tokens):
+        h = checkpoint(self.tok_embeddings, tokens, use_reentrant=False)
+        h = h * 1.0  # keep the checkpoint's output out of the blocks' inputs
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+
+def case_checkpointed_embedding_gathered(rank, world):
+    """The embedding runs inside a checkpoint: its recomputation needs the weight."""
+    compare_steps(rank, world, lambda: _CheckpointedEmbedding(_tiny()), _wrap_blocks, _step)
+
+
+def case_embedding_group_recomputed_in_backward(rank, world):
+    """A skipped buffer whose module is recomputed inside backward anyway (a checkpoint the
+    watch could not see coming) gets gathered on the spot."""
+
+    class Late(Llama):
+        def forward(self, tokens):
+            ids = tokens.float().requires_grad_(True)  # makes the checkpoint's output need grad
+
+            def embed(x):
+                return self.tok_embeddings(x.detach().long()) + 0 * x.unsqueeze(-1)
+
+            h = embed(ids) if not self.training else checkpoint(embed, ids, use_reentrant=False)
+            for layer in self.layers:
+                h = layer(h, self.rope_cos, self.rope_sin)
+            return self.output(self.norm(h))
+
+    compare_steps(rank, world, lambda: Late(_tiny()), _wrap_blocks, _step)
+
+
+def case_unshard_in_backward_forced(rank, world):
+    def wrap(m, mesh):
+        m = _wrap_blocks(m, mesh)
+        m.set_unshard_in_backward(True)
+        return m
+
+    model = compare_steps(rank, world, lambda: Llama(_tiny()), wrap, _step, steps=2)
+    g = _root_group(model)
+    (emb,) = g._embedding_buffers
+    t = torch.randint(0, 96, (2, 8))
+    loss = model.loss(t, t)
+    assert g.buffers[emb].unsharded_allocated, "kept for backward as asked"
+    loss.backward()
+
+
+def case_grad_buffer_from_first_gradient(rank, world):
+    """When the loss's gradient reaches the logits, the root's pre-backward has run but no
+    gradient buffer exists yet, and the last block is not being gathered yet."""
+    mesh = cpu_mesh(world)
+    torch.manual_seed(0)
+    model = _wrap_blocks(Llama(_tiny()), mesh)
+    t = torch.randint(0, 96, (2, 8))
+    for _ in range(2):  # the second step has a forward order to prefetch from
+        seen = {}
+        logits = model(t)
+
+        def probe(grad):
+            g = _root_group(model)
+            last = model.layers[-1]._fsdp_state().group
+            seen["root grads"] = [b.grad is not None for b in g.buffers]
+            seen["last block gathering"] = last._gathering is not None or last.is_unsharded
+            seen["deferred"] = g.bwd.deferred_prefetch is last
+            return grad
+
+        logits.register_hook(probe)
+        _ce(logits, t).backward()
+        model.zero_grad()
+    assert seen["root grads"] == [False, False], seen
+    assert not seen["last block gathering"], seen
+    assert seen["deferred"], seen
+
+
+def case_gloo_reduction_chunked_same_bits(rank, world):
+    """Above the receive bound the gloo reduction runs in column chunks: same bits."""
+    import torch.distributed as dist
+
+    import ragged_fsdp.fsdp.collectives as col
+    from ragged_fsdp.fsdp.device import Device
+
+    comm = col.Comm.of(dist.group.WORLD)
+    dev = Device(torch.device("cpu"))
+    S = 37
+    for grad_dtype, target_dtype, accumulate, factor in [
+        (torch.float32, torch.float32, False, None), (torch.bfloat16, torch.float32, False, None),
+        (torch.float32, torch.float32, True, None), (torch.float32, torch.float32, False, 3.0),
+    ]:
+        g = torch.Generator().manual_seed(rank + 7)
+        grad = torch.randn(world * S, generator=g).to(grad_dtype)
+        start = torch.randn(S, generator=g).to(target_dtype)
+        outs = []
+        for bound in (col.GLOO_RECEIVE_BOUND_BYTES, 5 * grad.element_size() * (world - 1)):
+            old, col.GLOO_RECEIVE_BOUND_BYTES = col.GLOO_RECEIVE_BOUND_BYTES, bound
+            try:
+                target = start.clone()
+                col.reduce_scatter(dev, comm, grad, target, accumulate, factor).wait()
+            finally:
+                col.GLOO_RECEIVE_BOUND_BYTES = old
+            outs.append(target)
+        assert torch.equal(outs[0], outs[1]), (grad_dtype, accumulate, factor)
+
+
+CASES = [
+    case_embedding_not_regathered,
+    case_tied_embedding_always_gathered,
+    case_checkpointed_embedding_gathered,
+    case_embedding_group_recomputed_in_backward,
+    case_unshard_in_backward_forced,
+    case_grad_buffer_from_first_gradient,
+    case_gloo_reduction_chunked_same_bits,
+]
+
+
+@pytest.fixture(scope="module", params=[2, 3])
+def results(request):
+    return request.param, run_cases(request.param, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_memory(results, case):
+    world, res = results
+    check_case(res, case, world)
