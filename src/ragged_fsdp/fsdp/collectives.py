@@ -115,23 +115,30 @@ def _gloo_reduce_chunked(comm: Comm, grad: torch.Tensor, target: torch.Tensor, a
         outs = [pieces[k - (k > r)] if k != r else recv[(W - 1) * c: W * c] for k in range(W)]
         ins = [rows[k, c0:c0 + c] for k in range(W)]
         dist.all_to_all(outs, ins, group=comm.group)
-        own, t = rows[r, c0:c0 + c], target[c0:c0 + c]
-        if not accumulate and t.dtype == grad.dtype:
-            if W == 2:
-                torch.add(own, pieces[0], out=t)
-            else:
-                torch.sum(pieces, dim=0, out=t)
-                t.add_(own)
-            t.mul_(1.0 / factor)
-            continue
-        total = torch.sum(pieces, dim=0, dtype=t.dtype)
-        total.add_(own)
-        if accumulate:
-            t.add_(total if total.dtype == t.dtype else total.to(t.dtype), alpha=1.0 / factor)
+        _sum_pieces(pieces, rows[r, c0:c0 + c], target[c0:c0 + c], accumulate, factor)
+
+
+def _sum_pieces(pieces: torch.Tensor, own: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                factor: float) -> None:
+    """``target (+)= (sum of the received pieces + own piece) / factor``, summed in one
+    fixed order (chunked or not, the same bits)."""
+    if not accumulate and target.dtype == own.dtype:
+        # straight into the sharded gradient segment: sum, add own piece, scale
+        if pieces.shape[0] == 1:
+            torch.add(own, pieces[0], out=target)
         else:
-            t.copy_(total)
-            if factor != 1.0:
-                t.mul_(1.0 / factor)
+            torch.sum(pieces, dim=0, out=target)
+            target.add_(own)
+        target.mul_(1.0 / factor)
+        return
+    total = torch.sum(pieces, dim=0, dtype=target.dtype)
+    total.add_(own)
+    if accumulate:
+        target.add_(total, alpha=1.0 / factor)
+    else:
+        target.copy_(total)
+        if factor != 1.0:
+            target.mul_(1.0 / factor)
 
 
 def reduce_scatter(
@@ -187,19 +194,7 @@ def reduce_scatter(
             return _Both(w1, w2)
 
         def post():
-            pieces = received.view(W - 1, S)
-            if not accumulate and target.dtype == grad.dtype:
-                # straight into the sharded gradient segment: sum, add own piece, scale
-                if W == 2:
-                    torch.add(own, received, out=target)
-                else:
-                    torch.sum(pieces, dim=0, out=target)
-                    target.add_(own)
-                target.mul_(1.0 / factor)
-                return
-            total = torch.sum(pieces, dim=0, dtype=target.dtype)
-            total.add_(own)
-            finish(total, False)
+            _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
 
         return device.launch(lane, issue, post=post, keep=(grad, received, target))
 

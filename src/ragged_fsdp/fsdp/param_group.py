@@ -576,8 +576,9 @@ class ParamGroup:
                 info.unsharded.grad = None
         if self.reshard_after_backward:
             self.reshard()
-        for b, grad, touched in starts:
-            self._reduce(b, grad, touched)
+        with record_function("ragged_fsdp::reduce"):
+            for b, grad, touched in starts:
+                self._reduce(b, grad, touched)
         if not self.dev.overlap_reductions:
             self.ctx.retire_reductions(keep=0)
 

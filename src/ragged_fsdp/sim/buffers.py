@@ -55,7 +55,7 @@ class Lifetimes:
 
 
 def _ragged_grads(g: GroupLayout, rb: int, backend: str) -> dict:
-    # one flat W*S gradient buffer from the group's pre-backward until its reduction
+    # one flat W*S gradient buffer from the group's first gradient until its reduction
     return {"flat grad buffer (W*S)": g.gathered * rb}
 
 
