@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
-WORKLOADS = ("dense", "moe", "dense-wide")
+WORKLOADS = ("dense", "moe", "dense-1024")
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
 
 
@@ -57,7 +57,7 @@ class BenchConfig:
 def batch_shape(kind: str, cfg: BenchConfig) -> tuple[int, int]:
     if cfg.quick:
         return 2, 16
-    return (1, 32) if kind == "dense-wide" else (cfg.batch, cfg.seq_len)
+    return (1, 32) if kind in ("dense-wide", "dense-1024") else (cfg.batch, cfg.seq_len)
 
 
 def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
@@ -69,7 +69,7 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
         if kind == "moe":
             return MoE(MoEConfig(vocab_size=2048, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8,
                                  top_k=2, expert_hidden=16, max_seq_len=seq_len, fused_experts=True))
-        if kind in ("dense", "dense-wide"):
+        if kind in ("dense", "dense-wide", "dense-1024"):
             return Llama(LlamaConfig(vocab_size=2048, dim=32 if kind == "dense" else 64, n_layers=2,
                                      n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=seq_len))
     if kind == "dense":
@@ -77,11 +77,15 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
 
         return Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                                  ffn_hidden=704, max_seq_len=seq_len))
-    if kind == "dense-wide":
+    if kind in ("dense-wide", "dense-1024"):
         # Parameters and gradients dominate (as with activation checkpointing at scale):
-        # this is where what the framework does with parameter memory shows.
+        # this is where what the framework does with parameter memory shows. dense-1024 is the
+        # issue-10 target workload; dense-wide (dim 512) is what earlier reports measured.
         from ragged_fsdp.models.llama import Llama, LlamaConfig
 
+        if kind == "dense-wide":
+            return Llama(LlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
+                                     ffn_hidden=1408, max_seq_len=seq_len))
         return Llama(LlamaConfig(vocab_size=2048, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8,
                                  ffn_hidden=2816, max_seq_len=seq_len))
     if kind == "moe":
@@ -93,7 +97,7 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
         return MoE(MoEConfig(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
                              n_experts=32, top_k=2, expert_hidden=128, max_seq_len=seq_len,
                              fused_experts=True))
-    raise ValueError(f"unknown model kind {kind!r}: expected dense or moe")
+    raise ValueError(f"unknown model kind {kind!r}: expected dense, moe, dense-1024 or dense-wide")
 
 
 def wrap(model: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:

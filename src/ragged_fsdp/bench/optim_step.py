@@ -20,7 +20,7 @@ figures are medians (per-round ratios against torch's foreach AdamW):
 Also per variant: the peak of tensor bytes allocated *during* one step (MemTracker peak minus
 what was live before), i.e. the step's temporaries.
 
-    python -m ragged_fsdp.bench.optim_step [--world 2] [--rounds 7] [--steps 3] [--models dense,moe,dense-wide]
+    python -m ragged_fsdp.bench.optim_step [--world 2] [--rounds 7] [--steps 3] [--models dense,moe,dense-1024]
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _rank(rank: int, world: int, port: int, models, rounds: int, steps: int, que
     mesh = init_device_mesh("cpu", (world,))
     report = {}
     for kind in models:
-        batch, seq = (1, 32) if kind == "dense-wide" else (2, 64)
+        batch, seq = (1, 32) if kind in ("dense-wide", "dense-1024") else (2, 64)
         g = torch.Generator().manual_seed(rank)
         x = torch.randint(0, 2048, (batch, seq), generator=g)
 
@@ -151,7 +151,7 @@ def _rank(rank: int, world: int, port: int, models, rounds: int, steps: int, que
     dist.destroy_process_group()
 
 
-def run(world: int = 2, models=("dense", "moe", "dense-wide"), rounds: int = 7, steps: int = 3) -> dict:
+def run(world: int = 2, models=("dense", "moe", "dense-1024"), rounds: int = 7, steps: int = 3) -> dict:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--models", default="dense,moe,dense-wide")
+    ap.add_argument("--models", default="dense,moe,dense-1024")
     ap.add_argument("--out", default="out/bench_optim_step.json")
     a = ap.parse_args(argv)
     report = run(a.world, a.models.split(","), a.rounds, a.steps)
