@@ -183,7 +183,6 @@ class AdamW(torch.optim.AdamW):
                     continue
                 st = self.state[p]
                 fresh = len(st) == 0  # nothing saved for p: a fresh state, as before any step
-                lay = None
                 for key, view in mine.items():
                     val = st.get(key)
                     if val is view:
@@ -191,7 +190,7 @@ class AdamW(torch.optim.AdamW):
                     if val is None or fresh:
                         local_of(view).zero_()
                     elif isinstance(val, Tensor):
-                        local_of(view).copy_(local_of(self._laid_out(val, view, p, group, gi, i, key, lay)))
+                        local_of(view).copy_(local_of(self._laid_out(val, view, p, group, gi, i, key)))
                     else:
                         raise ValueError(f"AdamW.load_state_dict: state {key!r} of parameter "
                                          f"{param_name(group, i, p, gi)} is {type(val).__name__}, not a tensor")
@@ -203,14 +202,15 @@ class AdamW(torch.optim.AdamW):
                     st["step"] = step.clone()  # never shared with the caller's dict
 
     @staticmethod
-    def _laid_out(val, view, p, group, gi, i, key, lay):
+    def _laid_out(val, view, p, group, gi, i, key):
+        """``val`` in ``view``'s layout (a RaggedDTensor in the same layout is used as it is)."""
         if isinstance(val, DTensor) and not isinstance(view, DTensor):
             val = val.full_tensor()
         if (isinstance(val, RaggedDTensor) and isinstance(view, RaggedDTensor)
                 and val._spec.placements == view._spec.placements and val._spec.mesh == view._spec.mesh
                 and val._local_tensor.shape == view._local_tensor.shape):
             return val
-        return place_state(val, p, lay or layout_of(p), param_name(group, i, p, gi), key)
+        return place_state(val, p, layout_of(p), param_name(group, i, p, gi), key)
 
 
 def _grad_fits(p) -> bool:
