@@ -96,7 +96,16 @@ def build_optimizer(name: str, model: torch.nn.Module, lr: float, framework: str
             adamw={"lr": lr, "betas": (0.9, 0.95), "weight_decay": 0.1},  # as the adamw run
         )
         return ropt.Muon(groups, lr=lr, weight_decay=0.1)
-    raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit or muon")
+    if name == "shampoo":
+        return ropt.Shampoo(list(model.named_parameters()), lr=lr, **SHAMPOO_DEMO)
+    raise ValueError(f"--optimizer {name!r}: expected adamw, adamw8bit, muon or shampoo")
+
+
+# The demo's Shampoo: 128 x 128 tiles (the demo matrices are 128 and 352 wide), roots every
+# 10 steps from step 20 (after the warmup), AdamW's betas and weight decay for the rest.
+SHAMPOO_DEMO = dict(betas=(0.9, 0.95), epsilon=1e-12, weight_decay=0.1, max_preconditioner_dim=128,
+                    precondition_frequency=10, start_preconditioning_step=20, grafting_type="adam",
+                    grafting_beta2=0.95, grafting_epsilon=1e-8)
 
 
 def granularity_for(name: str, model: torch.nn.Module):
@@ -107,6 +116,8 @@ def granularity_for(name: str, model: torch.nn.Module):
 
     if name == "adamw8bit":
         return ropt.AdamW8bit.granularity
+    if name == "shampoo":  # every preconditioner tile whole on one rank
+        return ropt.Shampoo.granularity_for(max_preconditioner_dim=SHAMPOO_DEMO["max_preconditioner_dim"])
     # Muon's hidden matrices whole; embeddings, head and norms (plain AdamW) unconstrained.
     return ropt.combined_granularity(model, other=lambda name, param: None)
 
@@ -268,7 +279,7 @@ def parse(argv=None) -> TrainConfig:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch", type=int, default=d.global_batch, help="global batch in sequences")
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
-    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--optimizer", default=d.optimizer, choices=["adamw", "adamw8bit", "muon", "shampoo"])
     p.add_argument("--out", default=d.out)
     p.add_argument("--frameworks", default=",".join(d.frameworks),
                    help="comma list of fsdp2, ragged_fsdp, ragged_fsdp:bf16 (bf16 compute), "
@@ -282,6 +293,12 @@ def parse(argv=None) -> TrainConfig:
     err = check_args(a.steps, a.batch, int(os.environ.get("WORLD_SIZE", "1")))
     if err:
         p.error(err)
+    if a.optimizer == "shampoo" and "fsdp2" in a.frameworks.split(","):
+        # FSDP2's equal row chunks cut preconditioner tiles, which Shampoo refuses (it would
+        # change the math); the demo trains ragged_fsdp only.
+        if os.environ.get("RANK", "0") == "0":
+            print("demo: --optimizer shampoo runs ragged_fsdp only (FSDP2's Shard(0) chunks cut Shampoo's tiles)")
+        a.frameworks = ",".join(f for f in a.frameworks.split(",") if f != "fsdp2") or "ragged_fsdp"
     return TrainConfig(steps=a.steps, global_batch=a.batch, data=a.data, optimizer=a.optimizer, out=a.out,
                        frameworks=tuple(a.frameworks.split(",")), heldout=a.heldout, seed=a.seed)
 

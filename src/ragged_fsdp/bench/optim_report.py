@@ -11,10 +11,15 @@ Part 1 (``--world`` gloo ranks, the model wrapped with ``fully_shard``):
   whole (``granularity_fn=combined_granularity(model)``: Muon's ``"tensor"`` for hidden
   matrices) and element granularity (no policy: matrices are split and owners are chosen).
 * AdamW8bit: optimizer-state bytes (all ranks) against ``torch.optim.AdamW``'s, and step time.
+* Shampoo (the demo's settings, ``granularity_fn=Shampoo.granularity_for(128)``): step time
+  against AdamW without and with a root recomputation (and amortised over the demo's
+  ``precondition_frequency``), eigh flops of one recomputation per rank (max / mean), state
+  bytes against AdamW's, and how many tiles FSDP2's equal ``Shard(0)`` chunks would cut.
 
 Part 2 (one process; the per-element math is the same at any world size): the demo's training
 recipe (data, warmup, clipping, weight decay 0.1, betas (0.9, 0.95)) for ``--steps`` steps with
-fp32 AdamW and with AdamW8bit (and Muon with ``--muon-loss``); final losses compared.
+fp32 AdamW and with AdamW8bit (and Muon with ``--muon-loss``, Shampoo with ``--shampoo-loss``);
+final losses compared.
 
 Writes ``report.json`` and ``report.md`` under ``--out`` and prints the tables.
 """
@@ -148,7 +153,45 @@ def _distributed_part(rank, world, args) -> dict:
     out["adamw8bit"] = {"step_s": t8, "step_ratio_vs_adamw": t8 / t_adamw, "state_bytes": s8,
                         "adamw_state_bytes": adamw_state, "state_ratio": s8 / adamw_state,
                         "params": sum(p.numel() for p in model.parameters())}
+    del model, opt8
+    out["shampoo"] = _shampoo_part(wrapped, cfg, args, world, t_adamw, adamw_state)
     return out
+
+
+def _shampoo_part(wrapped, cfg, args, world, t_adamw, adamw_state) -> dict:
+    """Shampoo with the demo's settings on the sharded model: step time with and without a
+    root recomputation, eigh flops per rank, state bytes, tiles FSDP2's layout would cut."""
+    from ..optim import Shampoo, state_bytes
+    from ..optim.shampoo_blocks import tiles_cut, tiles_of
+    from ..placement.redistribute import chunk_ranges
+    from ..train import SHAMPOO_DEMO
+
+    B = SHAMPOO_DEMO["max_preconditioner_dim"]
+    res = {"max_preconditioner_dim": B, "precondition_frequency": SHAMPOO_DEMO["precondition_frequency"]}
+    for label, freq in (("no_root", 10**9), ("with_root", 1)):
+        model = wrapped(lambda m: Shampoo.granularity_for(max_preconditioner_dim=B))
+        kw = dict(SHAMPOO_DEMO, precondition_frequency=freq, start_preconditioning_step=1)
+        opt = Shampoo(list(model.named_parameters()), lr=cfg.lr, **kw)
+        res[f"step_s_{label}"] = _time_steps(opt, model, args.iters)
+        if label == "with_root":
+            flops = opt.eigh_flops_per_rank()
+            mean = sum(flops) / len(flops)
+            res["eigh_flops_per_rank"] = flops
+            res["eigh_flops_max_over_mean"] = max(flops) / mean if mean else 1.0
+            st = _gather(state_bytes(opt))
+            res["state_bytes_per_rank"] = st
+            res["state_bytes"] = sum(st)
+            res["adamw_state_bytes"] = adamw_state
+            res["state_ratio"] = sum(st) / adamw_state
+            shapes = [tuple(p.shape) for p in model.parameters()]
+        del model, opt
+    f = res["precondition_frequency"]
+    res["step_s_amortised"] = res["step_s_no_root"] + (res["step_s_with_root"] - res["step_s_no_root"]) / f
+    for k in ("no_root", "with_root", "amortised"):
+        res[f"step_ratio_vs_adamw_{k}"] = res[f"step_s_{k}"] / t_adamw
+    res["tiles"] = sum(len(tiles_of(s, B)) for s in shapes)
+    res["tiles_cut_by_fsdp2_shard0"] = sum(tiles_cut(s, B, chunk_ranges(s, world)) for s in shapes)
+    return res
 
 
 @torch.no_grad()
@@ -166,12 +209,14 @@ def _loss_run(args, name: str) -> tuple[list[float], float]:
     """The demo's recipe in one process with optimizer ``name``: per-step training losses
     and the final held-out loss."""
     from ..data import Batches, load_tokens
-    from ..optim import AdamW8bit, Muon, muon_param_groups
-    from ..train import build_model
+    from ..optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+    from ..train import SHAMPOO_DEMO, build_model
 
     cfg = _train_cfg(args)
     model = build_model(cfg)
-    if name == "adamw":
+    if name == "shampoo":
+        opt = Shampoo(list(model.named_parameters()), lr=cfg.lr, **SHAMPOO_DEMO)
+    elif name == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
     elif name == "adamw8bit":
         opt = AdamW8bit(model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -205,6 +250,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=300, help="training steps of the loss comparison")
     p.add_argument("--iters", type=int, default=8, help="timed optimizer steps per configuration")
     p.add_argument("--muon-loss", action="store_true", help="also train with Muon in part 2")
+    p.add_argument("--shampoo-loss", action="store_true", help="also train with Shampoo in part 2")
+    p.add_argument("--loss-optimizers", default=None,
+                   help="comma list for part 2 instead of the above (adamw first), e.g. adamw,muon,shampoo")
     p.add_argument("--skip-loss", action="store_true", help="only part 1")
     p.add_argument("--out", default="out/optim_report")
     args = p.parse_args(argv)
@@ -225,7 +273,11 @@ def main(argv=None) -> dict:
     report = {"distributed": dist_part}
     if not args.skip_loss:
         torch.set_num_threads(max(1, os.cpu_count() or 1))
-        names = ["adamw", "adamw8bit"] + (["muon"] if args.muon_loss else [])
+        names = ["adamw", "adamw8bit"] + (["muon"] if args.muon_loss else []) + (["shampoo"] if args.shampoo_loss else [])
+        if args.loss_optimizers:
+            names = [n.strip() for n in args.loss_optimizers.split(",") if n.strip()]
+            if names[:1] != ["adamw"]:
+                raise SystemExit("--loss-optimizers must start with adamw (the baseline)")
         runs, evals = {}, {}
         for n in names:
             t0 = time.perf_counter()
@@ -267,6 +319,20 @@ def _markdown(report: dict) -> str:
               "|---|---|---|---|---|---|",
               f"| {a['params']:,} params | {a['state_bytes'] / 2**20:.2f} MiB | {a['adamw_state_bytes'] / 2**20:.2f} MiB | "
               f"{a['state_ratio']:.3f} | {a['step_s'] * 1e3:.1f} | {a['step_ratio_vs_adamw']:.2f}x |"]
+    if "shampoo" in d:
+        s = d["shampoo"]
+        fl = s["eigh_flops_per_rank"]
+        lines += ["", f"Shampoo (B = {s['max_preconditioner_dim']}, granularity_fn=Shampoo.granularity_for({s['max_preconditioner_dim']}), "
+                  f"{s['tiles']} tiles; FSDP2's Shard(0) chunks would cut {s['tiles_cut_by_fsdp2_shard0']})", "",
+                  "| step | ms | vs AdamW |", "|---|---|---|",
+                  f"| without root recomputation | {s['step_s_no_root'] * 1e3:.1f} | {s['step_ratio_vs_adamw_no_root']:.2f}x |",
+                  f"| with root recomputation (eigh) | {s['step_s_with_root'] * 1e3:.1f} | {s['step_ratio_vs_adamw_with_root']:.2f}x |",
+                  f"| amortised, roots every {s['precondition_frequency']} steps | {s['step_s_amortised'] * 1e3:.1f} | "
+                  f"{s['step_ratio_vs_adamw_amortised']:.2f}x |", "",
+                  "| eigh GFLOP per rank (one recomputation) | max/mean | state bytes (all ranks) | AdamW state bytes | ratio |",
+                  "|---|---|---|---|---|",
+                  f"| {', '.join(f'{x / 1e9:.3f}' for x in fl)} | {s['eigh_flops_max_over_mean']:.3f} | "
+                  f"{s['state_bytes'] / 2**20:.2f} MiB | {s['adamw_state_bytes'] / 2**20:.2f} MiB | {s['state_ratio']:.2f} |"]
     if "loss" in report:
         l = report["loss"]  # noqa: E741
         lines += ["", f"## Loss after {l['steps']} steps (demo recipe, one process)", "",

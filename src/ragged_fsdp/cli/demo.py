@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences, a multiple of --nproc (default 16)")
     p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon", "shampoo"])
     p.add_argument("--out", default="out/demo")
 
 

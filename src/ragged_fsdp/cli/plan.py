@@ -39,7 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma list of model ids (default llama3-8b); known: " + ", ".join(list_models(True)))
     p.add_argument("--world", default="1024", help=f"comma list of world sizes, 1..{MAX_WORLD} (default 1024)")
     p.add_argument("--granularity", default="row",
-                   help=f"comma list of granularities for tensors with >= 2 dims ({GRANULARITY_FORMS}); default row")
+                   help=f"comma list of granularities for tensors with >= 2 dims ({GRANULARITY_FORMS}); default row. "
+                        "shampoo:B (e.g. shampoo:1024) applies Shampoo.granularity_for(B) to every tensor "
+                        "(whole B x B preconditioner tiles; --granularity-1d is then ignored)")
     p.add_argument("--granularity-1d", default=None,
                    help="granularity for 1-D tensors (biases, norms); default element")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype (default float32)")
@@ -70,7 +72,7 @@ def _parse(args) -> tuple[list[str], list[int], list[Granularity], Granularity |
                 "(HSDP replicates it over the rest of the job)"
             )
         worlds.append(int(w))
-    grans = [Granularity.parse(g) for g in _split(args.granularity)]
+    grans = [_ShampooPolicy.parse(g) or Granularity.parse(g) for g in _split(args.granularity)]
     g1 = Granularity.parse(args.granularity_1d) if args.granularity_1d else None
     if not (models and worlds and grans):
         raise ValueError("--model, --world and --granularity each need at least one value")
@@ -89,9 +91,34 @@ def _kind_label(names: list[str]) -> str:
     return f"{first}..{last}"
 
 
+class _ShampooPolicy:
+    """``shampoo:B``: each tensor's granularity from ``Shampoo.granularity_for(B)``."""
+
+    def __init__(self, max_dim: int):
+        self.max_dim = max_dim
+
+    def __str__(self) -> str:
+        return f"shampoo:{self.max_dim}"
+
+    @classmethod
+    def parse(cls, text: str):
+        kind, sep, count = text.strip().lower().partition(":")
+        if kind != "shampoo":
+            return None
+        if not (sep and count.isdigit() and int(count) >= 1):
+            raise ValueError(f"granularity {text!r}: write shampoo:B with B >= 1 (e.g. shampoo:1024)")
+        return cls(int(count))
+
+
 def _cell(model_id: str, world: int, gran: Granularity, g1, itemsize: int, align: int, want_suggest: bool) -> dict:
     model = get_model(model_id)
-    groups = model_specs(model, gran, g1, itemsize)
+    if isinstance(gran, _ShampooPolicy):
+        from ..optim.shampoo_blocks import shampoo_specs
+
+        groups = shampoo_specs(model.groups, gran.max_dim, itemsize)
+        g1 = "shampoo"
+    else:
+        groups = model_specs(model, gran, g1, itemsize)
     mp = plan_model(groups, world, align)
     errors = mp.validate()
     base = {name: [0, 0] for name in BASELINES}  # padding, blocks cut

@@ -1,4 +1,4 @@
-"""Structure-aware optimizers: distributed Muon and block-wise 8-bit AdamW.
+"""Structure-aware optimizers: distributed Muon, block-wise 8-bit AdamW and Shampoo.
 
 Both work on plain modules and on modules sharded by ``ragged_fsdp.fully_shard`` (or any
 layout that gives each rank one contiguous run of each parameter: RaggedShard, torch's
@@ -21,8 +21,17 @@ layout that gives each rank one contiguous run of each parameter: RaggedShard, t
     fully_shard(model, mesh=mesh, granularity_fn=policy)
     opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-4}))
 
-Exactness: Muon's parameters equal single-device ``torch.optim.Muon`` bit for bit (the owner
-of each matrix runs the same Newton-Schulz on the same full matrix), AdamW8bit's parameters and
+    # Shampoo: every B x B preconditioner tile whole on one rank, no collective in step()
+    gran = Shampoo.granularity_for(max_preconditioner_dim=1024)   # = Shampoo.granularity
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=gran)
+    fully_shard(model, mesh=mesh, granularity_fn=gran)
+    opt = Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=1024)
+
+Exactness: Shampoo's parameters equal the single-process ``ReferenceShampoo`` bit for bit at
+every world size (each rank preconditions the tiles it holds whole). Muon's parameters equal
+single-device ``torch.optim.Muon`` bit for bit (the owner of each matrix runs the same
+Newton-Schulz on the same full matrix), AdamW8bit's parameters and
 states are the same bits at every world size (each rank quantises whole blocks of its own).
 Both expose ``state_dict()``/``load_state_dict()`` with DTensor states (codes in the parameter's
 layout, absmax as a RaggedDTensor over blocks) that load under any other layout or world size
@@ -31,6 +40,9 @@ layout, absmax as a RaggedDTensor over blocks) that load under any other layout 
 from .adamw import AdamW
 from .adamw8bit import AdamW8bit, state_bytes
 from .muon import Muon, adjust_lr, newton_schulz, newton_schulz_flops
+from .shampoo import Shampoo
+from .shampoo_blocks import merged_shape, shampoo_granularity
+from .shampoo_reference import ReferenceShampoo
 from .routing import (
     adamw8bit_granularity, combined_granularity, muon_granularity, muon_param_groups, split_params,
 )
@@ -38,5 +50,5 @@ from .routing import (
 __all__ = [
     "AdamW", "Muon", "AdamW8bit", "state_bytes", "newton_schulz", "newton_schulz_flops", "adjust_lr",
     "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
-    "split_params",
+    "split_params", "Shampoo", "shampoo_granularity", "merged_shape", "ReferenceShampoo",
 ]

@@ -52,6 +52,10 @@ class Lifetimes:
     copy_in: callable = lambda g, rb: 0
     # extra persistent bytes per sharded element (e.g. DeepSpeed's low-precision partition)
     extra_persistent: callable = lambda g, cb, pb: 0
+    # untied embedding weights in a buffer of their own (GroupLayout.apart elements per
+    # rank): freed after forward even in a kept group, not gathered for backward, their
+    # gradients allocated only when they arrive (the end of backward)
+    embedding_apart: bool = False
 
 
 def _ragged_grads(g: GroupLayout, rb: int, backend: str) -> dict:
@@ -73,6 +77,7 @@ RAGGED = Lifetimes(
     pending_gather=lambda g, cb: g.gathered * cb,
     grads=_ragged_grads,
     reduce_temp=_ragged_reduce,
+    embedding_apart=True,
 )
 
 FSDP2 = Lifetimes(

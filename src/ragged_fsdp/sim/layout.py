@@ -36,6 +36,7 @@ class GroupLayout:
     # DeepSpeed ZeRO-3: tensors at or under the persistence threshold stay replicated
     persistent: int = 0
     stride: int = 1  # rank spacing of the shard group (inner TP / EP dims sit in between)
+    apart: int = 0  # ragged_fsdp: segment elements of the group's separate embedding buffer
 
     @property
     def gathered(self) -> int:
@@ -94,6 +95,11 @@ def split_for_mesh(groups, tp: int, ep: int):
     return out
 
 
+def is_embedding_weight(name: str, shape) -> bool:
+    """An (untied) token-embedding table, as the engine recognises nn.Embedding weights."""
+    return len(shape) == 2 and name.endswith(".weight") and "embed" in name.split(".")[-2]
+
+
 def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, itemsize: int = 4,
                   granularity: str | None = None, align_bytes: int = 16,
                   persistence_threshold: int = 100_000) -> list[GroupLayout]:
@@ -104,19 +110,31 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
     cache: dict[tuple, GroupLayout] = {}
     if framework == "ragged":
         for world, is_exp in ((dp * ep, False), (dp, True)):
-            sel = [(n, tensor_specs(t, itemsize, granularity)) for n, t, e in split if e == is_exp]
+            sel, parts = [], []  # the engine plans embedding weights in a buffer of their own
+            for n, t, e in split:
+                if e != is_exp:
+                    continue
+                emb = [x for x in t if is_embedding_weight(x[0], x[1])]
+                rest = [x for x in t if not is_embedding_weight(x[0], x[1])]
+                parts.append((n, len(sel), len(sel) + 1 if emb and rest else None))
+                sel.append((n, tensor_specs(rest or emb, itemsize, granularity)))
+                if emb and rest:
+                    sel.append((n + "#embedding", tensor_specs(emb, itemsize, granularity)))
             if not sel:
                 continue
             mp = plan_model(sel, world, align_bytes)
             errs = mp.validate()
             if errs:
                 raise RuntimeError(f"planner produced an invalid plan: {errs[:3]}")
-            for gi, (name, specs) in enumerate(sel):
-                plan = mp.kinds[mp.kind_of[gi]].plan
+            for name, gi, ei in parts:
+                plans = [mp.kinds[mp.kind_of[gi]].plan] + ([mp.kinds[mp.kind_of[ei]].plan] if ei is not None else [])
+                specs = sel[gi][1] + (sel[ei][1] if ei is not None else [])
                 numel = sum(s.numel for s in specs)
-                cache[(name,)] = GroupLayout(name, 1, world, plan.segment, numel, len(specs), is_exp,
-                                             (plan.total - numel) / max(1, numel),
-                                             stride=tp * (ep if is_exp else 1))
+                segment = sum(p.segment for p in plans)
+                cache[(name,)] = GroupLayout(name, 1, world, segment, numel, len(specs), is_exp,
+                                             (segment * world - numel) / max(1, numel),
+                                             stride=tp * (ep if is_exp else 1),
+                                             apart=plans[1].segment if ei is not None else 0)
         return [cache[(n,)] for n, _, _ in split]
     base = _BASELINE.get(framework)
     if base is None:

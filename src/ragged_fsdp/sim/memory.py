@@ -81,6 +81,12 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
     def gathered(i):
         return sum(life.gathered(L[i], m.cb).values())
 
+    def apart(i, nbytes):  # the separate embedding buffer's share (gathered or gradient)
+        return L[i].shard_world * L[i].apart * nbytes if life.embedding_apart else 0
+
+    def kept_gathered(i):  # after its forward: the embedding buffer is freed
+        return gathered(i) - apart(i, m.cb)
+
     def gather_temp(i):
         return sum(life.gather_temp(L[i], m.cb).values())
 
@@ -89,7 +95,7 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
     acts, kept = 0.0, {}
     for pos, i in enumerate(order):
         items = dict(base)
-        items.update({f"kept gathered {L[j].name}": gathered(j) for j in kept if j != i})
+        items.update({f"kept gathered {L[j].name}": kept_gathered(j) for j in kept if j != i})
         items["saved activations"] = acts
         if gather_temp(i):  # the copy-out instant: output buffer and unsharded params
             phases[f"unshard {L[i].name}"] = dict(items, **{f"gathered {L[i].name}": gathered(i)},
@@ -102,7 +108,7 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         acts += m.act_saved[i]
         if i in m.kept or i == root or not m.reshard_after_forward:
             kept[i] = True
-    phases["loss"] = dict(base, **{f"kept gathered {L[j].name}": gathered(j) for j in kept},
+    phases["loss"] = dict(base, **{f"kept gathered {L[j].name}": kept_gathered(j) for j in kept},
                           **{"saved activations": acts, "logits and loss": m.loss_bytes})
     # backward: reverse order; the root's gradients live from the first backward op to the
     # end (its reduction runs last)
@@ -110,11 +116,13 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
     pending = {}
     if root is not None:
         pending = {f"{k} ({L[root].name}, pending)": v for k, v in life.grads(L[root], m.rb, m.backend).items()}
+        if life.embedding_apart and L[root].apart:  # the embedding's gradients come at the very end
+            pending = {k: v - apart(root, m.rb) for k, v in pending.items()}
     back = [i for i in reversed(range(n)) if i != root]
     for pos, i in enumerate(back):
         g = L[i]
         items = dict(base)
-        items.update({f"kept gathered {L[j].name}": gathered(j) for j in kept if j != i and (j == root or j < i)})
+        items.update({f"kept gathered {L[j].name}": kept_gathered(j) for j in kept if j != i and (j == root or j < i)})
         if gather_temp(i) and m.reshard_after_forward and i not in kept:
             phases[f"unshard {g.name} (backward)"] = dict(
                 items, **{f"gathered {g.name}": gathered(i), "saved activations": acts,
@@ -138,7 +146,8 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         reduced += (g.segment + g.persistent) * m.gb
     if root is not None:
         g = L[root]
-        red = dict(base, **{f"gathered {g.name}": gathered(root)}, **pending)
+        red = dict(base, **{f"gathered {g.name}": kept_gathered(root)},
+                   **{k: v + apart(root, m.rb) for k, v in pending.items()})
         red["sharded grads (reduced so far)"] = reduced
         red.update(life.reduce_temp(g, m.rb, m.backend))
         red["sharded grad (new)"] = (g.segment + g.persistent) * m.gb

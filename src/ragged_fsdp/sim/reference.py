@@ -16,7 +16,7 @@ import math
 from ..planner.granularity import TensorSpec
 from ..planner.model import plan_model
 from .arch import Arch
-from .layout import group_layouts
+from .layout import group_layouts, is_embedding_weight
 from .memory import MemoryInputs, MemoryResult, step_memory
 
 __all__ = ["reference_arch", "exact_rank_bytes", "reference_memory"]
@@ -52,8 +52,14 @@ def exact_rank_bytes(framework: str, arch: Arch, world: int, rank: int, itemsize
     params = states = 0
     n_tensors = 0
     if framework == "ragged":
-        mp = plan_model([(g, _specs(t, itemsize)) for g, t in arch.groups], world, align_bytes)
-        for gi, (gname, tensors) in enumerate(arch.groups):
+        groups = []  # the engine plans embedding weights in a buffer of their own
+        for g, t in arch.groups:
+            emb = [x for x in t if is_embedding_weight(*x)]
+            rest = [x for x in t if not is_embedding_weight(*x)]
+            groups += [(g, rest)] if rest else []
+            groups += [(g + "#embedding", emb)] if emb else []
+        mp = plan_model([(g, _specs(t, itemsize)) for g, t in groups], world, align_bytes)
+        for gi, (gname, tensors) in enumerate(groups):
             plan = mp.plan(gi)
             params += plan.segment * itemsize
             for name, shape in tensors:
