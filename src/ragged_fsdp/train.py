@@ -80,10 +80,13 @@ def shard(model: torch.nn.Module, framework: str, mesh, granularity_fn=None) -> 
     return model
 
 
-def build_optimizer(name: str, model: torch.nn.Module, lr: float):
-    if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+def build_optimizer(name: str, model: torch.nn.Module, lr: float, framework: str = "fsdp2"):
     from . import optim as ropt
+
+    if name == "adamw":
+        if framework == "ragged_fsdp":  # grouped steps over the flat segments, torch's arithmetic
+            return ropt.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
 
     if name == "adamw8bit":
         return ropt.AdamW8bit(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -129,7 +132,7 @@ def train_one(cfg: TrainConfig, framework: str, mesh, batches: Batches, heldout:
     model = build_model(cfg)
     granularity = granularity_for(cfg.optimizer, model) if framework.startswith("ragged_fsdp") else None
     model = shard(model, framework, mesh, granularity)
-    opt = build_optimizer(cfg.optimizer, model, cfg.lr)
+    opt = build_optimizer(cfg.optimizer, model, cfg.lr, framework)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup))
     tokens_per_step = cfg.global_batch * cfg.seq_len
     losses, times = [], []

@@ -37,6 +37,7 @@ Both expose ``state_dict()``/``load_state_dict()`` with DTensor states (codes in
 layout, absmax as a RaggedDTensor over blocks) that load under any other layout or world size
 (full tensors, DTensors, or through DCP).
 """
+from .adamw import AdamW
 from .adamw8bit import AdamW8bit, state_bytes
 from .muon import Muon, adjust_lr, newton_schulz, newton_schulz_flops
 from .shampoo import Shampoo
@@ -47,7 +48,7 @@ from .routing import (
 )
 
 __all__ = [
-    "Muon", "AdamW8bit", "state_bytes", "newton_schulz", "newton_schulz_flops", "adjust_lr",
+    "AdamW", "Muon", "AdamW8bit", "state_bytes", "newton_schulz", "newton_schulz_flops", "adjust_lr",
     "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
     "split_params", "Shampoo", "shampoo_granularity", "merged_shape", "ReferenceShampoo",
 ]

@@ -16,6 +16,11 @@ block, every block is dequantised, updated and quantised exactly as on one devic
 and states are the same bits at every world size. A layout that cuts a block is rejected with
 an error that names the parameter and the fix (``granularity_fn=AdamW8bit.granularity``).
 
+The step runs over contiguous runs of parameters (adjacent in the parameter, gradient, code
+and absmax buffers; states are flat buffers per param group whose views are the per-parameter
+states) in chunks of whole blocks (:mod:`._grouped8bit`): the same bits as the per-parameter
+step (``opt.grouped = False``) with temporaries of one chunk instead of one parameter.
+
 State (``opt.state[p]``, DTensors for sharded parameters so checkpoints can reshard them):
 
 * ``step``: float32 scalar tensor;
@@ -33,7 +38,9 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ._layout import Layout, blocks_like, layout_of, like_param, local_of, param_name
+from ._grouped import DEFAULT_CHUNK, flat_states, restore_flat_views, storage_order
+from ._grouped8bit import Item, adamw8bit_grouped
+from ._layout import Layout, blocks_like, layout_of, local_of, param_name
 from .muon import _load_resharded
 from .quant import dequantize_blockwise, num_blocks, quantize_blockwise, signed_map, unsigned_map
 from .routing import adamw8bit_granularity, check_finite
@@ -68,6 +75,13 @@ class AdamW8bit(Optimizer):
                  min_8bit_size: int = 4096) -> None:
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                     "block_size": block_size, "min_8bit_size": min_8bit_size}
+        # States are flat buffers per param group (views per parameter) and the step runs over
+        # contiguous runs in chunks of whole blocks (._grouped8bit); grouped=False steps per
+        # parameter (the same bits; kept for comparisons).
+        self._views: dict = {}
+        self.grouped = True
+        self.chunk_size = DEFAULT_CHUNK
+        self.last_step_stats: dict = {}
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -81,9 +95,9 @@ class AdamW8bit(Optimizer):
                                  f"{p.dtype}; only real floating-point parameters are supported")
             lay = layout_of(p, f"AdamW8bit parameter {param_name(group, i, p, gi)}")
             self._check_blocks(p, lay, group, param_name(group, i, p, gi))
-            if p.requires_grad and len(self.state[p]) == 0:
-                # made now, not at the first step: checkpoint loaders need them to exist
-                self._init_state(p, lay, group, param_name(group, i, p, gi))
+        # made now, not at the first step: checkpoint loaders need them to exist
+        self._init_states(group, gi, [i for i, p in enumerate(group["params"])
+                                      if p.requires_grad and len(self.state[p]) == 0])
 
     def _check_group(self, group: dict, gi: int) -> None:
         where = f"AdamW8bit param group {gi}"
@@ -132,6 +146,7 @@ class AdamW8bit(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        total = {"grouped": 0, "fallback": 0, "runs": 0, "chunks": 0}
         for gi, group in enumerate(self.param_groups):
             self._check_group(group, gi)
             beta1, beta2 = group["betas"]
@@ -139,8 +154,7 @@ class AdamW8bit(Optimizer):
                       lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                       maximize=False)
             bs = group["block_size"]
-            small = ([], [], [], [], [])
-            copy_back = []
+            items = []
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -150,52 +164,99 @@ class AdamW8bit(Optimizer):
                 lay = layout_of(p, f"AdamW8bit parameter {name}")
                 state = self.state[p]
                 if len(state) == 0:
-                    self._init_state(p, lay, group, name)
+                    self._init_states(group, gi, [i])
                 pl, gl = local_of(p), local_of(p.grad)
                 if gl.shape != pl.shape:
                     raise ValueError(f"AdamW8bit: gradient of {name} has local shape {tuple(gl.shape)}, "
                                      f"the parameter {tuple(pl.shape)}; they must share a layout")
-                # fp32 math (and fp32 states) for low-precision parameters, as bitsandbytes does
-                p32 = pl if pl.dtype == torch.float32 else pl.float()
-                g32 = gl if gl.dtype == torch.float32 else gl.float()
-                if p32 is not pl:
-                    copy_back.append((pl, p32))
                 if "exp_avg" in state:  # fp32 states
-                    for lst, t in zip(small, (p32, g32, local_of(state["exp_avg"]),
-                                              local_of(state["exp_avg_sq"]), state["step"])):
-                        lst.append(t)
-                    continue
-                self._check_blocks(p, lay, group, name)
-                m_codes, v_codes = local_of(state["exp_avg_codes"]), local_of(state["exp_avg_sq_codes"])
-                m_absmax, v_absmax = local_of(state["exp_avg_absmax"]), local_of(state["exp_avg_sq_absmax"])
-                smap, umap = signed_map(pl.device), unsigned_map(pl.device)
-                m = dequantize_blockwise(m_codes, m_absmax, smap, bs).view(pl.shape)
-                v = dequantize_blockwise(v_codes, v_absmax, umap, bs).view(pl.shape)
-                _torch_adamw([p32], [g32], [m], [v], [], [state["step"]], **kw)
-                quantize_blockwise(m, smap, bs, codes_out=m_codes, absmax_out=m_absmax)
-                quantize_blockwise(v, umap, bs, codes_out=v_codes, absmax_out=v_absmax)
-            if small[0]:
-                _torch_adamw(*small[:4], [], small[4], **kw)
-            for pl, p32 in copy_back:
-                pl.copy_(p32)
+                    sts = (local_of(state["exp_avg"]), local_of(state["exp_avg_sq"]))
+                else:
+                    self._check_blocks(p, lay, group, name)
+                    sts = tuple(local_of(state[k]) for k in ("exp_avg_codes", "exp_avg_sq_codes",
+                                                             "exp_avg_absmax", "exp_avg_sq_absmax"))
+                items.append(Item(pl, gl, sts, state["step"], "exp_avg" not in state))
+            loose = items
+            if self.grouped:
+                loose, stats = adamw8bit_grouped(
+                    items, block=bs, chunk=self.chunk_size, beta1=beta1, beta2=beta2, lr=group["lr"],
+                    weight_decay=group["weight_decay"], eps=group["eps"])
+                for k in ("runs", "chunks"):
+                    total[k] += stats[k]
+                total["grouped"] += len(items) - len(loose)
+            total["fallback"] += len(loose)
+            self._step_each(loose, bs, kw)
+        self.last_step_stats = total
         return loss
 
-    def _init_state(self, p, lay: Layout, group: dict, name: str) -> None:
-        state = self.state[p]
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        pl = local_of(p)
-        if not self._eight_bit(lay, group):
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+    @staticmethod
+    def _step_each(items: list, bs: int, kw: dict) -> None:
+        """The per-parameter step: whole-parameter temporaries (used for tensors that are not
+        one flat range, and with ``grouped=False``)."""
+        small = ([], [], [], [], [])
+        copy_back = []
+        for it in items:
+            pl, gl = it.param, it.grad
+            # fp32 math (and fp32 states) for low-precision parameters, as bitsandbytes does
+            p32 = pl if pl.dtype == torch.float32 else pl.float()
+            g32 = gl if gl.dtype == torch.float32 else gl.float()
+            if p32 is not pl:
+                copy_back.append((pl, p32))
+            if not it.eight_bit:
+                for lst, t in zip(small, (p32, g32, it.states[0], it.states[1], it.step)):
+                    lst.append(t)
+                continue
+            m_codes, v_codes, m_absmax, v_absmax = it.states
+            smap, umap = signed_map(pl.device), unsigned_map(pl.device)
+            m = dequantize_blockwise(m_codes, m_absmax, smap, bs).view(pl.shape)
+            v = dequantize_blockwise(v_codes, v_absmax, umap, bs).view(pl.shape)
+            _torch_adamw([p32], [g32], [m], [v], [], [it.step], **kw)
+            quantize_blockwise(m, smap, bs, codes_out=m_codes, absmax_out=m_absmax)
+            quantize_blockwise(v, umap, bs, codes_out=v_codes, absmax_out=v_absmax)
+        if small[0]:
+            _torch_adamw(*small[:4], [], small[4], **kw)
+        for pl, p32 in copy_back:
+            pl.copy_(p32)
+
+    def _init_states(self, group: dict, gi: int, indices: list[int]) -> None:
+        """States of ``group["params"][i]`` for ``i`` in ``indices``, in flat buffers (one per
+        state and param group, packed in storage order) whose views are the states."""
+        params = [group["params"][i] for i in indices]
+        if not params:
             return
-        self._check_blocks(p, lay, group, name)
-        bs = group["block_size"]
-        nb = num_blocks(pl.numel(), bs)
+        lays = [layout_of(p) for p in params]
+        small = [p for p, lay in zip(params, lays) if not self._eight_bit(lay, group)]
+        eight = [(i, p, lay) for i, p, lay in zip(indices, params, lays) if self._eight_bit(lay, group)]
+        for p in params:
+            self.state[p]["step"] = torch.tensor(0.0, dtype=torch.float32)
+        for p, views in zip(small, flat_states(small, ("exp_avg", "exp_avg_sq"), dtype=torch.float32)):
+            self.state[p].update(views)
+            self._views[p] = views
+        if not eight:
+            return
+        for i, p, lay in eight:
+            self._check_blocks(p, lay, group, param_name(group, i, p, gi))
+        ps = [p for _, p, _ in eight]
+        codes = flat_states(ps, ("exp_avg_codes", "exp_avg_sq_codes"), dtype=torch.uint8)
         zero_signed = int(torch.searchsorted(signed_map(), torch.tensor(0.0)))
-        for key, zero in (("exp_avg", zero_signed), ("exp_avg_sq", 0)):
-            codes = torch.full(pl.shape, zero, dtype=torch.uint8, device=pl.device)
-            state[f"{key}_codes"] = like_param(codes, p)
-            state[f"{key}_absmax"] = blocks_like(torch.zeros(nb, dtype=torch.float32, device=pl.device), p, lay, bs)
+        bs = group["block_size"]
+        locals_ = [local_of(p) for p in ps]
+        order = storage_order(locals_)
+        nbs = [num_blocks(t.numel(), bs) for t in locals_]
+        absmax = {k: torch.zeros(sum(nbs), dtype=torch.float32, device=locals_[0].device) if locals_ else None
+                  for k in _BLOCK_KEYS}
+        off = 0
+        starts = [0] * len(ps)
+        for j in order:
+            starts[j] = off
+            off += nbs[j]
+        for j, (p, (_, _, lay)) in enumerate(zip(ps, eight)):
+            views = dict(codes[j])
+            local_of(views["exp_avg_codes"]).fill_(zero_signed)
+            for k in _BLOCK_KEYS:
+                views[k] = blocks_like(absmax[k].narrow(0, starts[j], nbs[j]), p, lay, bs)
+            self.state[p].update(views)
+            self._views[p] = views
 
     # -- state dict ------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
@@ -207,7 +268,9 @@ class AdamW8bit(Optimizer):
         bs = block_of.get("bs", 256)
         if any(g["block_size"] != bs for g in self.param_groups):
             raise NotImplementedError("AdamW8bit.load_state_dict: groups with different block sizes")
+        views = {p: dict(v) for p, v in self._views.items()}
         _load_resharded(self, state_dict, lambda key: bs if key in _BLOCK_KEYS else None)
+        restore_flat_views(self, views)  # the loaded values go into the flat buffers
 
 
 def state_bytes(opt: Optimizer) -> int:

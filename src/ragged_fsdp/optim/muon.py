@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
-from torch.optim.adamw import adamw as _torch_adamw
 
+from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, local_of, param_name, place_state
 from .routing import check_finite, muon_granularity
 
@@ -275,6 +275,7 @@ class Muon(Optimizer):
             "adjust_lr_fn": adjust_lr_fn, "use_muon": True,
         }
         self._plan_cache: tuple | None = None
+        self._views: dict = {}  # AdamW-group param -> {key: view of a flat state buffer}
         self.ns_calls = 0  # Newton-Schulz runs on this rank since construction
         self.last_step_stats: dict = {}
         super().__init__(params, defaults)
@@ -304,6 +305,12 @@ class Muon(Optimizer):
                     "with use_muon=False (AdamW), e.g. with ragged_fsdp.optim.muon_param_groups(model)"
                 )
             layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+        if not use_muon:  # AdamW states in flat buffers: the step runs over contiguous runs
+            fresh = [p for p in group["params"] if p.requires_grad and len(self.state[p]) == 0]
+            for p, views in zip(fresh, flat_states(fresh, ("exp_avg", "exp_avg_sq"))):
+                self.state[p].update(step=torch.tensor(0.0, dtype=torch.float32), **views)
+                self._views[p] = views
+        for p in group["params"]:
             if p.requires_grad:
                 self._init_state(p, use_muon)
 
@@ -535,15 +542,18 @@ class Muon(Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        _torch_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, fused=False,
-                     amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        # torch's single-tensor AdamW arithmetic over contiguous runs of the flat states
+        adamw_grouped(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, beta1=beta1,
+                      beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                      maximize=False)
 
     # -- state dict ------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict whose tensors may be full tensors (any world size) or DTensors of
         any layout on the parameters' meshes: each is laid out like the parameter here."""
+        views = {p: dict(v) for p, v in self._views.items()}
         _load_resharded(self, state_dict, lambda key: None)
+        restore_flat_views(self, views)
 
 
 def _per_rank(loads: dict):
