@@ -5,7 +5,7 @@ One training step per framework on W gloo ranks (rank 0 reports), after one warm
 optimizer state, activation, temporary, buffer); we snapshot it at labelled points and take
 its peak with the breakdown at the peak:
 
-    python -m ragged_fsdp.bench.memory_timeline [--world 2] [--models dense,moe,dense-wide]
+    python -m ragged_fsdp.bench.memory_timeline [--world 2] [--models dense,moe,dense-wide,dense-1024]
 
 Points: ``forward done`` (loss computed), ``loss grad`` (a hook on the logits' gradient: the
 loss's own backward has run, no parameter gradient yet), ``backward done``, ``step done``.
@@ -95,7 +95,7 @@ def _worker(rank, world, port, models, batch, seq, queue):
 
 
 def run(world: int, models: list[str]) -> dict:
-    batch = {"dense-wide": (1, 32)}
+    batch = {"dense-wide": (1, 32), "dense-1024": (1, 32)}
     with socket.socket() as sck:
         sck.bind(("127.0.0.1", 0))
         port = sck.getsockname()[1]
@@ -128,7 +128,7 @@ def print_report(report: dict, world: int) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--models", default="dense,moe,dense-wide")
+    p.add_argument("--models", default="dense,moe,dense-wide,dense-1024")
     p.add_argument("--json", default="out/memory_timeline.json")
     a = p.parse_args(argv)
     report = run(a.world, a.models.split(","))
