@@ -41,11 +41,16 @@ def _kinds(snap: dict) -> dict[str, float]:
     return out
 
 
-def timeline(kind: str, framework: str, mesh, batch: int, seq: int) -> dict:
+def timeline(kind: str, framework: str, mesh, batch: int, seq: int, grouped: bool = False) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     model = wrap(build(kind, seq), framework, mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    if grouped and framework == "ragged_fsdp":  # the grouped, chunked kernels (issue 10, item 3)
+        from ragged_fsdp.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(dist.get_rank())
     data = torch.randint(0, vocab, (batch, seq + 1), generator=g)
@@ -77,7 +82,7 @@ def timeline(kind: str, framework: str, mesh, batch: int, seq: int) -> dict:
     return {"points": points, "peak_mib": _total(peak) / MiB, "peak_by_kind_mib": _kinds(peak)}
 
 
-def _worker(rank, world, port, models, batch, seq, queue):
+def _worker(rank, world, port, models, batch, seq, queue, grouped=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -87,21 +92,21 @@ def _worker(rank, world, port, models, batch, seq, queue):
     out = {}
     for kind in models:
         b, s = batch.get(kind, (4, 128))
-        out[kind] = {fw: timeline(kind, fw, mesh, b, s) for fw in ("ragged_fsdp", "fsdp2")}
+        out[kind] = {fw: timeline(kind, fw, mesh, b, s, grouped) for fw in ("ragged_fsdp", "fsdp2")}
     if rank == 0:
         queue.put(out)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run(world: int, models: list[str]) -> dict:
+def run(world: int, models: list[str], grouped: bool = False) -> dict:
     batch = {"dense-wide": (1, 32), "dense-1024": (1, 32)}
     with socket.socket() as sck:
         sck.bind(("127.0.0.1", 0))
         port = sck.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, models, batch, 128, q)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, models, batch, 128, q, grouped)) for r in range(world)]
     for p in procs:
         p.start()
     out = q.get(timeout=1800)
@@ -130,8 +135,10 @@ def main(argv=None) -> int:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--models", default="dense,moe,dense-wide,dense-1024")
     p.add_argument("--json", default="out/memory_timeline.json")
+    p.add_argument("--grouped-adamw", action="store_true",
+                   help="ragged_fsdp steps with ragged_fsdp.optim.AdamW (FSDP2 keeps torch's foreach AdamW)")
     a = p.parse_args(argv)
-    report = run(a.world, a.models.split(","))
+    report = run(a.world, a.models.split(","), a.grouped_adamw)
     print_report(report, a.world)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
