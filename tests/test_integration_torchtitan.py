@@ -68,9 +68,8 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
     root = os.environ["RAGGED_TT_ROOT"]
     # torchtitan's default ChunkedLossWrapper runs norm (in the decoder) and lm_head (in the
     # loss) of the [norm, lm_head] group in separate calls with an explicit reshard() between;
-    # the engine does not yet unshard that group for the decoder's backward (see the README),
-    # so the comparison uses the plain cross-entropy loss unless RAGGED_TT_CHUNKED=1.
-    chunked = os.environ.get("RAGGED_TT_CHUNKED", "0") == "1"
+    # RAGGED_TT_CHUNKED=0 compares with torchtitan's plain cross-entropy loss instead.
+    chunked = os.environ.get("RAGGED_TT_CHUNKED", "1") == "1"
     base = os.path.join(root, model)
     fsdp2_fn, ragged_fn = _registries(model)
     common = dict(assets=os.path.join(root, "assets"), chunked_loss=chunked)
