@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..placement.dtensor import RaggedDTensor, ragged_dim, wrap
 from ..placement.ragged_shard import RaggedShard
 
-__all__ = ["Layout", "layout_of", "local_of", "param_name"]
+__all__ = ["Layout", "layout_of", "local_of", "param_name", "load_scalars"]
 
 
 @dataclass(frozen=True)
@@ -189,3 +189,21 @@ def place_state(value, p: torch.Tensor, lay: Layout, name: str, key: str, per_bl
     a, b = lay.local_range
     lo, hi = a // per_block, -(-b // per_block) if b > a else a // per_block
     return blocks_like(full.reshape(-1)[lo:hi].clone(), p, lay, per_block)
+
+
+def load_scalars(opt, state_dict: dict) -> tuple[dict, list]:
+    """Load a state dict's param groups and non-tensor / ``step`` states through torch's
+    ``Optimizer.load_state_dict``; return the tensor states it held back (saved param id ->
+    {key: value}) and the saved param ids in param-group order, for the caller to lay out
+    like its parameters. Step counters are copied (torch would share them with the dict)."""
+    from itertools import chain
+
+    from torch.optim import Optimizer
+
+    held, stripped = {}, {}
+    for pid, st in state_dict["state"].items():
+        held[pid] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
+        stripped[pid] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                         for k, v in st.items() if k not in held[pid]}
+    Optimizer.load_state_dict(opt, dict(state_dict, state=stripped))
+    return held, list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))

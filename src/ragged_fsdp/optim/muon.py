@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from ._grouped import adamw_grouped, flat_states, restore_flat_views
-from ._layout import Layout, layout_of, local_of, param_name, place_state
+from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from .routing import check_finite, muon_granularity
 
 __all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "adjust_lr", "ADAMW_DEFAULTS"]
@@ -585,18 +585,7 @@ def _load_resharded(opt: Optimizer, state_dict: dict, per_block_of: Callable[[st
     (except ``step``) like its parameter, keeping the saved dtype."""
     from itertools import chain
 
-    saved_state = state_dict["state"]
-    held: dict = {}
-    stripped: dict = {}
-    for pid, st in saved_state.items():
-        held[pid] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
-        # step counters are copied (torch would share them with the loaded dict)
-        stripped[pid] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                         for k, v in st.items() if k not in held[pid]}
-    sd = dict(state_dict)
-    sd["state"] = stripped
-    Optimizer.load_state_dict(opt, sd)
-    saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+    held, saved_ids = load_scalars(opt, state_dict)
     names = chain.from_iterable(
         [(g, i) for i in range(len(g["params"]))] for g in opt.param_groups
     )

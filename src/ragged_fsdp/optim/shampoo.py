@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from ._layout import Layout, layout_of, local_of, param_name, place_state
+from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from .routing import check_finite
 from .shampoo_blocks import Tile, merged_shape, row_chunks, shampoo_granularity, tile_eigh_flops, tiles_of
 
@@ -400,15 +400,7 @@ class Shampoo(Optimizer):
         lands on its owner only). Every tile key must be present (same keys on every rank)."""
         from itertools import chain
 
-        held, stripped = {}, {}
-        for pid, st in state_dict["state"].items():
-            held[pid] = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k != "step"}
-            stripped[pid] = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                             for k, v in st.items() if k not in held[pid]}
-        sd = dict(state_dict)
-        sd["state"] = stripped
-        Optimizer.load_state_dict(self, sd)
-        saved_ids = chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        held, saved_ids = load_scalars(self, state_dict)
         where = chain.from_iterable([(gi, g, i) for i in range(len(g["params"]))]
                                     for gi, g in enumerate(self.param_groups))
         for sid, (gi, group, i) in zip(saved_ids, where):
