@@ -10,6 +10,10 @@ Expert weights come in two forms (``MoEConfig.fused_experts``):
 
 Both compute the same function in the same order, so they can be compared. Routing is
 top-k over a softmax, computed in fp32, with no token dropping.
+
+Fused experts can be sharded over an expert-parallel mesh with
+``expert_parallel.apply_expert_parallel``; the layer then sends its tokens to the experts'
+ranks (``ep_dispatch``) instead of looping over all experts locally.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
+from .ep_dispatch import expert_parallel_experts
 from .llama import FeedForward, Llama, LlamaConfig, TransformerBlock
 
 __all__ = ["MoEConfig", "MoE", "MoELayer", "FusedExperts"]
@@ -73,6 +79,9 @@ class MoELayer(nn.Module):
         self.shared = (
             FeedForward(cfg.dim, cfg.expert_hidden * cfg.n_shared_experts) if cfg.n_shared_experts else None
         )
+        # set by apply_expert_parallel; kept here, not read from the weights' mesh, because
+        # FSDP may later replace the expert parameters by DTensors on a larger mesh
+        self.ep_mesh = None
 
     def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.experts, FusedExperts):
@@ -85,16 +94,33 @@ class MoELayer(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(x)
-        for e in range(self.n_experts):
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            if rows.numel() == 0:
-                continue  # unused this step: its weights get no gradient
-            y = self._expert(e, x[rows]) * weights[rows, slot].unsqueeze(-1)
-            out = out.index_add(0, rows, y)
+        if self.ep_mesh is not None:
+            out = self._expert_parallel(x, weights, chosen)
+        else:
+            out = torch.zeros_like(x)
+            for e in range(self.n_experts):
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                if rows.numel() == 0:
+                    continue  # unused this step: its weights get no gradient
+                y = self._expert(e, x[rows]) * weights[rows, slot].unsqueeze(-1)
+                out = out.index_add(0, rows, y)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
+
+    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        ep = self.ep_mesh
+        # a DTensor Shard(0) on the ep mesh (or FSDP's unsharded parameter, which is one too):
+        # its local tensor holds this rank's experts
+        local = [w.to_local() if isinstance(w, DTensor) else w
+                 for w in (self.experts.w1, self.experts.w2, self.experts.w3)]
+        want = self.n_experts // ep.size()
+        if local[0].shape[0] != want:
+            raise RuntimeError(
+                f"MoELayer: expert weights hold {local[0].shape[0]} local experts, expected "
+                f"n_experts / ep size = {want}; were they resharded after apply_expert_parallel?")
+        return expert_parallel_experts(x, weights, chosen, *local, n_experts=self.n_experts,
+                                       group=ep.get_group(), ep_size=ep.size())
 
 
 class MoE(Llama):
