@@ -103,6 +103,9 @@ def _kind_label(names: list[str]) -> str:
     if len(names) == 1:
         return names[0]
     first, last = names[0], names[-1]
+    suffix = ".experts"
+    if first.endswith(suffix) and last.endswith(suffix):  # layers.0..47.experts
+        return _kind_label([n[:-len(suffix)] for n in names]) + suffix
     head, _, tail = last.rpartition(".")
     if first.startswith(head + ".") and head:
         return f"{first}..{tail}"
