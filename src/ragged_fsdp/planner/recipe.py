@@ -75,8 +75,7 @@ def mesh_layout(world: int, tp: int = 1, ep: int = 1, hsdp: int | None = None) -
         dims.append(("tp", tp))
     names = tuple(n for n, _ in dims)
     if ep > 1:
-        flat = f"{dp}_ep"
-        dense = f'mesh["replicate", "{flat}"]' if hsdp else flat
+        dense = 'mesh["replicate", "shard_ep"]' if hsdp else "dp_ep"
         expert = 'mesh["replicate", "shard"]' if hsdp else 'mesh["dp"]'
     else:
         expert = None
@@ -116,8 +115,12 @@ def recipe(mm: ModuleMap, world: int, tp: int = 1, ep: int = 1, hsdp: int | None
     add("")
     add(f'mesh = init_device_mesh("cuda", {ml.shape!r}, mesh_dim_names={ml.dim_names!r})')
     if ep > 1:
-        dp = "shard" if hsdp else "dp"
-        add(f'{dp}_ep = mesh["{dp}", "ep"]._flatten("{dp}_ep")  # the dense dp ranks: {dp} x ep')
+        if hsdp:
+            add(f'mesh["shard", "ep"]._flatten("shard_ep")  # dense shard groups: shard x ep ranks')
+            add("# (torch 2.13 warns that slicing this flattened dim from the root mesh, as below, will be")
+            add("# deprecated; it still works there)")
+        else:
+            add(f'dp_ep = mesh["dp", "ep"]._flatten("dp_ep")  # the dense data-parallel ranks: dp x ep')
     add("m = model.model")
     moe = mm.moe_layers
     if moe and (tp > 1 or ep > 1):
