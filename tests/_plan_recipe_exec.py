@@ -6,7 +6,9 @@ only shapes matter), builds the model, keeps the first ``1/E`` of every MoE bloc
 (what expert parallelism leaves on EP rank 0), and executes the recipe with the real
 ``init_device_mesh`` and ``parallelize_module`` but a ``fully_shard`` that records, for each
 call, the parameters it takes (TP-local shapes: what FSDP would shard) and the mesh it gets.
-Prints one JSON list of recorded calls per case.
+Prints one JSON list of recorded calls per case. With ``"real": true`` the recipe runs with
+torch's own ``fully_shard`` instead (FSDP2 accepts every call as written) and the case reports,
+per parameter, the mesh FSDP2 left it on.
 """
 
 import json
@@ -34,6 +36,15 @@ def _build(case):
             if isinstance(experts, nn.ModuleList):
                 block.mlp.experts = nn.ModuleList(list(experts)[: len(experts) // ep])
     return model
+
+
+def _run_real(case, env, code):
+    from torch.distributed.fsdp import fully_shard
+
+    model = env["model"]
+    exec(compile(code, "<recipe>", "exec"), dict(env, fully_shard=fully_shard))
+    return {n: {"mesh_shape": list(p.device_mesh.shape), "dim_names": list(p.device_mesh.mesh_dim_names)}
+            for n, p in model.named_parameters()}
 
 
 def _run(case):
@@ -72,6 +83,8 @@ def _run(case):
     env = dict(model=model, fully_shard=fully_shard, init_device_mesh=init_device_mesh, Replicate=Replicate,
                ColwiseParallel=ColwiseParallel, RowwiseParallel=RowwiseParallel,
                parallelize_module=parallelize_module)
+    if case.get("real"):
+        return _run_real(case, env, code)
     exec(compile(code, "<recipe>", "exec"), env)
     return calls
 

@@ -243,12 +243,14 @@ def test_recipes_realise_the_plan_on_hf_models():
         cases.append({"hf": hf, "model_type": mt, "world": W, "ep": E,
                       "recipe": recipe(module_map(model), W, T, E, hsdp=hsdp, merge=merge)})
         expected.append(_expected_calls(model, W, T, E, hsdp, merge))
+    cases += [dict(c, real=True) for c in cases]  # and once more with torch's own fully_shard
     script = Path(__file__).with_name("_plan_recipe_exec.py")
     proc = subprocess.run([sys.executable, str(script)], input=json.dumps(cases), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout)
-    for (mt, hf, W, T, E, hsdp, merge), calls, want in zip(EXEC_CASES, results, expected):
+    recorded, real = results[:len(EXEC_CASES)], results[len(EXEC_CASES):]
+    for (mt, hf, W, T, E, hsdp, merge), calls, want, params in zip(EXEC_CASES, recorded, expected, real):
         label = f"{mt} W={W} tp={T} ep={E} hsdp={hsdp} merge={merge}"
         root = calls.pop()
         assert root["params"] == {}, label  # every parameter sits in a planned group
@@ -257,3 +259,8 @@ def test_recipes_realise_the_plan_on_hf_models():
         for c in calls:
             is_expert = any(".experts." in n for n in c["params"])
             assert c["divide_factor"] == (W // T if is_expert and E > 1 else None), label
+        # torch's FSDP2 took every call; each parameter ends on its group's mesh (+ tp if TP-split)
+        model = model_from_config(mt, hf_to_catalog(dict(hf, model_type=mt)))
+        split = {t.name for g in model.groups for t in g.tensors if t.tp_dim is not None and T > 1}
+        want_mesh = {n: mesh + ([T] if n in split else []) for names, mesh in want for n in names}
+        assert {n: p["mesh_shape"] for n, p in params.items()} == want_mesh, label
