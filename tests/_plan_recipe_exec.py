@@ -43,6 +43,10 @@ def _run_real(case, env, code):
 
     model = env["model"]
     exec(compile(code, "<recipe>", "exec"), dict(env, fully_shard=fully_shard))
+    if case["ep"] == 1:  # a step runs (values are meaningless on a fake group; layouts must fit)
+        ids = torch.randint(0, model.config.vocab_size, (2, 5))
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert all(p.grad is not None for p in model.parameters())
     return {n: {"mesh_shape": list(p.device_mesh.shape), "dim_names": list(p.device_mesh.mesh_dim_names)}
             for n, p in model.named_parameters()}
 

@@ -211,6 +211,8 @@ EXEC_CASES = [  # model_type, config, W, tp, ep, hsdp, merge
     ("llama", LLAMA, 8, 2, 1, None, 1),
     ("llama", LLAMA, 8, 2, 1, 2, 1),
     ("llama", LLAMA, 8, 1, 1, None, 2),
+    ("llama", dict(LLAMA, tie_word_embeddings=True), 8, 2, 1, 2, 1),
+    ("llama", dict(LLAMA, tie_word_embeddings=True), 8, 1, 1, None, 2),
     ("qwen3_moe", QWEN, 8, 2, 2, None, 1),
     ("qwen3_moe", QWEN, 8, 1, 2, 4, 1),
     ("qwen3_moe", QWEN, 8, 2, 4, None, 2),

@@ -195,8 +195,9 @@ def module_map(model: ModelShapes):
             separate = first.expert != STACKED
         elif not dense_plan:
             dense_plan, notes = plan, notes + n
-    top = {"model.embed_tokens": "RowwiseParallel(input_layouts=Replicate())"}
-    if not model.config.get("tied_embeddings"):
-        top["lm_head"] = "ColwiseParallel(output_layouts=Replicate())"
+    # tied embeddings: the LM head still needs ColwiseParallel's hooks; the recipe ties the
+    # weight again afterwards (both styles split it on dim 0, so the tie is consistent)
+    top = {"model.embed_tokens": "RowwiseParallel(input_layouts=Replicate())",
+           "lm_head": "ColwiseParallel(output_layouts=Replicate())"}
     return ModuleMap(model.config["family"], len(blocks), bool(model.config.get("tied_embeddings")), moe,
                      attr, separate, dense_plan, moe_plan, top, tuple(dict.fromkeys(notes)))

@@ -143,6 +143,8 @@ def recipe(mm: ModuleMap, world: int, tp: int = 1, ep: int = 1, hsdp: int | None
             add('    parallelize_module(block, mesh["tp"], layer_plan)')
         for note in mm.tp_notes:
             add(f"# also: {note}")
+        if mm.tied:  # parallelize_module gave the embedding a new (DTensor) parameter
+            add("model.lm_head.weight = m.embed_tokens.weight  # tie again: TP replaced the embedding's weight")
     if ep > 1:
         add("")
         add(f"# expert parallelism: each ep rank keeps 1/{ep} of every MoE block's experts and routes")
@@ -162,14 +164,18 @@ def recipe(mm: ModuleMap, world: int, tp: int = 1, ep: int = 1, hsdp: int | None
             add(f"    fully_shard(experts, mesh={ml.expert_mesh})")
             add(f"    experts[0].set_gradient_divide_factor({world // tp})")
     add("")
+    # tied: the LM head shares the embedding's weight, so both modules go in the embedding's call
+    # (FSDP2 swaps a shared parameter only in the modules of one call)
     head = "[m.norm]" if mm.tied else "[m.norm, model.lm_head]"
+    emb = "[m.embed_tokens, model.lm_head]" if mm.tied else "m.embed_tokens"
     dm = ml.dense_mesh
     if merge > 1:
-        add("units = [[m.embed_tokens]] + [[block] for block in m.layers] + [" + head + "]")
+        add("units = [" + (emb if mm.tied else "[m.embed_tokens]") + "] + [[block] for block in m.layers] + ["
+            + head + "]")
         add(f"for j in range(0, len(units), {merge}):  # {merge} consecutive FSDP groups as one")
         add(f"    fully_shard([mod for unit in units[j:j + {merge}] for mod in unit], mesh={dm})")
     else:
-        add(f"fully_shard(m.embed_tokens, mesh={dm})")
+        add(f"fully_shard({emb}, mesh={dm})")
         add("for block in m.layers:")
         add(f"    fully_shard(block, mesh={dm})")
         add(f"fully_shard({head}, mesh={dm})")
