@@ -266,3 +266,10 @@ def test_recipes_realise_the_plan_on_hf_models():
         split = {t.name for g in model.groups for t in g.tensors if t.tp_dim is not None and T > 1}
         want_mesh = {n: mesh + ([T] if n in split else []) for names, mesh in want for n in names}
         assert {n: p["mesh_shape"] for n, p in params.items()} == want_mesh, label
+
+
+def test_help_names_the_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    out = capsys.readouterr().out
+    assert "--tp" in out and "--ep" in out and "world/(tp*ep)" in out
