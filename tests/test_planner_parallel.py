@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from ragged_fsdp.cli import main
-from ragged_fsdp.models.catalog import get_model
+from ragged_fsdp.models.catalog import get_model, model_from_config
 from ragged_fsdp.models.parallel import ParallelDims, local_groups, module_map, valid_degrees
 from ragged_fsdp.planner.recipe import mesh_layout, recipe
 from ragged_fsdp.planner.suggest import merge_groups
 from ragged_fsdp.sim.hf_config import hf_to_catalog
-from ragged_fsdp.models.catalog import model_from_config
 
 
 def _shapes(group):
@@ -94,7 +93,8 @@ def test_moe_ep_local_shapes_by_hand():
     assert shapes["self_attn.q_b_proj.weight"] == (128 * 192 // 8, 1536)
     assert shapes["self_attn.q_a_proj.weight"] == (1536, 7168)  # low-rank projection: whole
     assert shapes["self_attn.o_proj.weight"] == (7168, 128 * 128 // 8)
-    assert {g.name: g for g in ds}["layers.3.experts"].dp == 1 and len({g.name: g for g in ds}["layers.3.experts"].tensors) == 3 * 32
+    ds_experts = {g.name: g for g in ds}["layers.3.experts"]
+    assert ds_experts.dp == 1 and len(ds_experts.tensors) == 3 * 32  # 256 experts / ep 8
 
 
 def test_ep_one_keeps_experts_in_their_block():

@@ -251,9 +251,10 @@ def _print_cell(c: dict, out, show_recipe: bool = False) -> None:
             print("padding above 1%; alternatives that cut it, best first:", file=out)
             print(_table(rows, {1, 2, 3}), file=out)
             for i, s in enumerate(c["suggestions"]):
-                text = s["recipe_brief"] if i or (show_recipe and par) else s["recipe"]
-                print(f"\n# way out {i + 1} of {len(c['suggestions'])}" + (", imports as above" if text is s["recipe_brief"] else "") + ":", file=out)
-                print(text.rstrip("\n"), file=out)
+                brief = bool(i) or (show_recipe and par)  # imports (and TP plan) printed once
+                note = ", imports as above" if brief else ""
+                print(f"\n# way out {i + 1} of {len(c['suggestions'])}{note}:", file=out)
+                print(s["recipe_brief" if brief else "recipe"].rstrip("\n"), file=out)
         else:
             print("padding above 1%; no smaller shard group or merge cuts it", file=out)
     print(file=out)

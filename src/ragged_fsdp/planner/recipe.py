@@ -116,11 +116,11 @@ def recipe(mm: ModuleMap, world: int, tp: int = 1, ep: int = 1, hsdp: int | None
     add(f'mesh = init_device_mesh("cuda", {ml.shape!r}, mesh_dim_names={ml.dim_names!r})')
     if ep > 1:
         if hsdp:
-            add(f'mesh["shard", "ep"]._flatten("shard_ep")  # dense shard groups: shard x ep ranks')
+            add('mesh["shard", "ep"]._flatten("shard_ep")  # dense shard groups: shard x ep ranks')
             add("# (torch 2.13 warns that slicing this flattened dim from the root mesh, as below, will be")
             add("# deprecated; it still works there)")
         else:
-            add(f'dp_ep = mesh["dp", "ep"]._flatten("dp_ep")  # the dense data-parallel ranks: dp x ep')
+            add('dp_ep = mesh["dp", "ep"]._flatten("dp_ep")  # the dense data-parallel ranks: dp x ep')
     add("m = model.model")
     moe = mm.moe_layers
     if moe and (tp > 1 or ep > 1):
