@@ -22,6 +22,16 @@ Variants of the MoE models (``get_model(id, variant=...)`` or the id ``"<id>:<va
 The default variant is the reference implementation's layout (``fused`` for gpt-oss,
 ``separate`` for deepseek-v3 and qwen3-30b-a3b). DeepSeek-V3's multi-token-prediction layer is
 left out.
+
+Each tensor also says how tensor and expert parallelism split it (``ragged_fsdp.models.parallel``
+turns that into TP-/EP-local shapes): ``tp_dim`` is the dim the standard Llama/torchtitan TP
+plan splits (ColwiseParallel: q/k/v, gate/up, shared experts' gate/up, LM head -> dim 0;
+RowwiseParallel: attention output, down -> dim 1; the token embedding, RowwiseParallel on an
+``nn.Embedding`` -> dim 0), ``tp_field`` the config field that dim counts (the split must
+divide it: ``heads``, not ``heads * head_dim``, since a head is never split), and ``expert``
+marks routed-expert weights (-1: all experts stacked on dim 0; ``j``: expert ``j``'s own weight).
+Norms, routers and low-rank MLA projections are replicated over TP (``tp_dim=None``); routed
+experts are not tensor-parallel.
 """
 
 from __future__ import annotations
@@ -34,14 +44,20 @@ from typing import NamedTuple
 from ..planner.granularity import Granularity, TensorSpec
 
 __all__ = [
-    "Tensor", "Group", "ModelShapes", "MODEL_CONFIGS", "get_model", "list_models",
+    "Tensor", "Group", "ModelShapes", "MODEL_CONFIGS", "STACKED", "get_model", "list_models",
     "model_specs", "group_specs", "model_from_config",
 ]
+
+
+STACKED = -1  # Tensor.expert of a 3-D (experts-first) tensor holding every routed expert
 
 
 class Tensor(NamedTuple):
     name: str
     shape: tuple[int, ...]
+    tp_dim: int | None = None  # dim split by tensor parallelism; None: whole on every TP rank
+    tp_field: str | None = None  # config field counted by that dim; tp must divide it
+    expert: int | None = None  # routed expert: STACKED, or the expert's index; None: dense
 
     @property
     def numel(self) -> int:
@@ -146,28 +162,40 @@ def model_from_config(base: str, cfg: dict, variant: str | None = None) -> Model
         )
     variant = variant or (variants[0] if variants else None)
     layer_fn = _LAYERS[cfg["family"]]
-    groups = [Group("embed", [Tensor("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"]))])]
+    groups = [Group("embed", [_col("model.embed_tokens.weight", (cfg["vocab"], cfg["hidden"]), "vocab")])]
     groups += [Group(f"layers.{i}", layer_fn(cfg, i, variant)) for i in range(cfg["layers"])]
     head = [Tensor("model.norm.weight", (cfg["hidden"],))]
     if not cfg.get("tied_embeddings"):  # tied: the head reuses the embedding's weight
-        head.append(Tensor("lm_head.weight", (cfg["vocab"], cfg["hidden"])))
+        head.append(_col("lm_head.weight", (cfg["vocab"], cfg["hidden"]), "vocab"))
     groups.append(Group("head", head))
     mid = base if variant in (None, variants[0] if variants else None) else f"{base}:{variant}"
     return ModelShapes(mid, base, variant, dict(cfg), groups)
 
 
 # -- per-family transformer blocks ---------------------------------------------------------
+def _col(name: str, shape: tuple, field: str) -> Tensor:
+    """A tensor TP splits on dim 0 (ColwiseParallel weight or bias; the embedding's rows)."""
+    return Tensor(name, shape, 0, field)
+
+
+def _row(name: str, shape: tuple, field: str) -> Tensor:
+    """A RowwiseParallel weight: TP splits its input dim (its bias, if any, stays whole)."""
+    return Tensor(name, shape, 1, field)
+
+
+def _expert(name: str, shape: tuple, index: int = STACKED) -> Tensor:
+    return Tensor(name, shape, None, None, index)
+
+
 def _llama_layer(c: dict, i: int, variant):
     p, h, q, kv, inter = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
         c["kv_heads"] * c["head_dim"], c["intermediate"]
     return [
-        Tensor(p + "self_attn.q_proj.weight", (q, h)),
-        Tensor(p + "self_attn.k_proj.weight", (kv, h)),
-        Tensor(p + "self_attn.v_proj.weight", (kv, h)),
-        Tensor(p + "self_attn.o_proj.weight", (h, q)),
-        Tensor(p + "mlp.gate_proj.weight", (inter, h)),
-        Tensor(p + "mlp.up_proj.weight", (inter, h)),
-        Tensor(p + "mlp.down_proj.weight", (h, inter)),
+        _col(p + "self_attn.q_proj.weight", (q, h), "heads"),
+        _col(p + "self_attn.k_proj.weight", (kv, h), "kv_heads"),
+        _col(p + "self_attn.v_proj.weight", (kv, h), "kv_heads"),
+        _row(p + "self_attn.o_proj.weight", (h, q), "heads"),
+        *_mlp(p + "mlp.", inter, h, "intermediate"),
         Tensor(p + "input_layernorm.weight", (h,)),
         Tensor(p + "post_attention_layernorm.weight", (h,)),
     ]
@@ -177,41 +205,45 @@ def _gpt_oss_layer(c: dict, i: int, variant):
     p, h, q, kv, inter, E = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
         c["kv_heads"] * c["head_dim"], c["intermediate"], c["experts"]
     out = [
-        Tensor(p + "self_attn.q_proj.weight", (q, h)), Tensor(p + "self_attn.q_proj.bias", (q,)),
-        Tensor(p + "self_attn.k_proj.weight", (kv, h)), Tensor(p + "self_attn.k_proj.bias", (kv,)),
-        Tensor(p + "self_attn.v_proj.weight", (kv, h)), Tensor(p + "self_attn.v_proj.bias", (kv,)),
-        Tensor(p + "self_attn.o_proj.weight", (h, q)), Tensor(p + "self_attn.o_proj.bias", (h,)),
-        Tensor(p + "self_attn.sinks", (c["heads"],)),
+        _col(p + "self_attn.q_proj.weight", (q, h), "heads"), _col(p + "self_attn.q_proj.bias", (q,), "heads"),
+        _col(p + "self_attn.k_proj.weight", (kv, h), "kv_heads"), _col(p + "self_attn.k_proj.bias", (kv,), "kv_heads"),
+        _col(p + "self_attn.v_proj.weight", (kv, h), "kv_heads"), _col(p + "self_attn.v_proj.bias", (kv,), "kv_heads"),
+        _row(p + "self_attn.o_proj.weight", (h, q), "heads"), Tensor(p + "self_attn.o_proj.bias", (h,)),
+        _col(p + "self_attn.sinks", (c["heads"],), "heads"),  # one per head: follows the local heads
         Tensor(p + "mlp.router.weight", (E, h)), Tensor(p + "mlp.router.bias", (E,)),
     ]
     x = p + "mlp.experts."
     if variant == "fused":
         out += [
-            Tensor(x + "gate_up_proj", (E, h, 2 * inter)), Tensor(x + "gate_up_proj_bias", (E, 2 * inter)),
-            Tensor(x + "down_proj", (E, inter, h)), Tensor(x + "down_proj_bias", (E, h)),
+            _expert(x + "gate_up_proj", (E, h, 2 * inter)), _expert(x + "gate_up_proj_bias", (E, 2 * inter)),
+            _expert(x + "down_proj", (E, inter, h)), _expert(x + "down_proj_bias", (E, h)),
         ]
     else:
         for j in range(E):
             out += [
-                Tensor(f"{x}{j}.gate_up_proj.weight", (2 * inter, h)), Tensor(f"{x}{j}.gate_up_proj.bias", (2 * inter,)),
-                Tensor(f"{x}{j}.down_proj.weight", (h, inter)), Tensor(f"{x}{j}.down_proj.bias", (h,)),
+                _expert(f"{x}{j}.gate_up_proj.weight", (2 * inter, h), j),
+                _expert(f"{x}{j}.gate_up_proj.bias", (2 * inter,), j),
+                _expert(f"{x}{j}.down_proj.weight", (h, inter), j), _expert(f"{x}{j}.down_proj.bias", (h,), j),
             ]
     out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
     return out
 
 
-def _mlp(prefix: str, inter: int, h: int) -> list[Tensor]:
-    return [Tensor(prefix + "gate_proj.weight", (inter, h)), Tensor(prefix + "up_proj.weight", (inter, h)),
-            Tensor(prefix + "down_proj.weight", (h, inter))]
+def _mlp(prefix: str, inter: int, h: int, field: str) -> list[Tensor]:
+    """A dense SwiGLU MLP: gate/up ColwiseParallel, down RowwiseParallel."""
+    return [_col(prefix + "gate_proj.weight", (inter, h), field), _col(prefix + "up_proj.weight", (inter, h), field),
+            _row(prefix + "down_proj.weight", (h, inter), field)]
 
 
 def _experts(prefix: str, E: int, inter: int, h: int, variant) -> list[Tensor]:
     if variant == "fused":  # stacked Linear weights, experts first
-        return [Tensor(prefix + "gate_proj.weight", (E, inter, h)), Tensor(prefix + "up_proj.weight", (E, inter, h)),
-                Tensor(prefix + "down_proj.weight", (E, h, inter))]
+        return [_expert(prefix + "gate_proj.weight", (E, inter, h)), _expert(prefix + "up_proj.weight", (E, inter, h)),
+                _expert(prefix + "down_proj.weight", (E, h, inter))]
     out = []
     for j in range(E):
-        out += _mlp(f"{prefix}{j}.", inter, h)
+        out += [_expert(f"{prefix}{j}.gate_proj.weight", (inter, h), j),
+                _expert(f"{prefix}{j}.up_proj.weight", (inter, h), j),
+                _expert(f"{prefix}{j}.down_proj.weight", (h, inter), j)]
     return out
 
 
@@ -222,19 +254,19 @@ def _deepseek_layer(c: dict, i: int, variant):
     out = [
         Tensor(a + "q_a_proj.weight", (c["q_lora_rank"], h)),
         Tensor(a + "q_a_layernorm.weight", (c["q_lora_rank"],)),
-        Tensor(a + "q_b_proj.weight", (H * qk, c["q_lora_rank"])),
+        _col(a + "q_b_proj.weight", (H * qk, c["q_lora_rank"]), "heads"),
         Tensor(a + "kv_a_proj_with_mqa.weight", (c["kv_lora_rank"] + c["qk_rope_head_dim"], h)),
         Tensor(a + "kv_a_layernorm.weight", (c["kv_lora_rank"],)),
-        Tensor(a + "kv_b_proj.weight", (H * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"])),
-        Tensor(a + "o_proj.weight", (h, H * c["v_head_dim"])),
+        _col(a + "kv_b_proj.weight", (H * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]), "heads"),
+        _row(a + "o_proj.weight", (h, H * c["v_head_dim"]), "heads"),
     ]
     if i < c["dense_layers"]:
-        out += _mlp(p + "mlp.", c["dense_intermediate"], h)
+        out += _mlp(p + "mlp.", c["dense_intermediate"], h, "dense_intermediate")
     else:
         E, inter = c["routed_experts"], c["moe_intermediate"]
         out += [Tensor(p + "mlp.gate.weight", (E, h)), Tensor(p + "mlp.gate.e_score_correction_bias", (E,))]
         out += _experts(p + "mlp.experts.", E, inter, h, variant)
-        out += _mlp(p + "mlp.shared_experts.", inter * c["shared_experts"], h)
+        out += _mlp(p + "mlp.shared_experts.", inter * c["shared_experts"], h, "moe_intermediate")
     out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
     return out
 
@@ -244,8 +276,8 @@ def _qwen3_moe_layer(c: dict, i: int, variant):
         c["kv_heads"] * c["head_dim"], c["experts"]
     a = p + "self_attn."
     out = [
-        Tensor(a + "q_proj.weight", (q, h)), Tensor(a + "k_proj.weight", (kv, h)),
-        Tensor(a + "v_proj.weight", (kv, h)), Tensor(a + "o_proj.weight", (h, q)),
+        _col(a + "q_proj.weight", (q, h), "heads"), _col(a + "k_proj.weight", (kv, h), "kv_heads"),
+        _col(a + "v_proj.weight", (kv, h), "kv_heads"), _row(a + "o_proj.weight", (h, q), "heads"),
         Tensor(a + "q_norm.weight", (c["head_dim"],)), Tensor(a + "k_norm.weight", (c["head_dim"],)),
         Tensor(p + "mlp.gate.weight", (E, h)),
     ]
@@ -259,16 +291,17 @@ def _mixtral_layer(c: dict, i: int, variant):
     p, h, q, kv, E, inter = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], \
         c["kv_heads"] * c["head_dim"], c["experts"], c["intermediate"]
     a, x = p + "self_attn.", p + "block_sparse_moe."
-    out = [Tensor(a + "q_proj.weight", (q, h)), Tensor(a + "k_proj.weight", (kv, h)),
-           Tensor(a + "v_proj.weight", (kv, h)), Tensor(a + "o_proj.weight", (h, q)),
+    out = [_col(a + "q_proj.weight", (q, h), "heads"), _col(a + "k_proj.weight", (kv, h), "kv_heads"),
+           _col(a + "v_proj.weight", (kv, h), "kv_heads"), _row(a + "o_proj.weight", (h, q), "heads"),
            Tensor(x + "gate.weight", (E, h))]
     if variant == "fused":
-        out += [Tensor(x + "experts.w1", (E, inter, h)), Tensor(x + "experts.w3", (E, inter, h)),
-                Tensor(x + "experts.w2", (E, h, inter))]
+        out += [_expert(x + "experts.w1", (E, inter, h)), _expert(x + "experts.w3", (E, inter, h)),
+                _expert(x + "experts.w2", (E, h, inter))]
     else:
         for j in range(E):
-            out += [Tensor(f"{x}experts.{j}.w1.weight", (inter, h)), Tensor(f"{x}experts.{j}.w2.weight", (h, inter)),
-                    Tensor(f"{x}experts.{j}.w3.weight", (inter, h))]
+            out += [_expert(f"{x}experts.{j}.w1.weight", (inter, h), j),
+                    _expert(f"{x}experts.{j}.w2.weight", (h, inter), j),
+                    _expert(f"{x}experts.{j}.w3.weight", (inter, h), j)]
     out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
     return out
 

@@ -11,12 +11,13 @@ from .granularity import GRANULARITY_FORMS, Granularity, TensorSpec
 from .heuristic import plan_group
 from .model import ModelPlan, plan_model
 from .plan import Plan
-from .suggest import Suggestion, suggest
+from .sections import Section, SectionedPlan, plan_sections
+from .suggest import Suggestion, suggest, suggest_sections
 from .validate import validate_plan
 
 __all__ = [
     "Granularity", "TensorSpec", "Plan", "plan_group", "validate_plan", "lower_bound",
     "lower_bound_segment", "solve_exact", "exact_segment", "GRANULARITY_FORMS", "ModelPlan",
     "plan_model", "BASELINES", "BaselineResult", "all_baselines", "baseline", "Suggestion",
-    "suggest",
+    "suggest", "suggest_sections", "Section", "SectionedPlan", "plan_sections",
 ]

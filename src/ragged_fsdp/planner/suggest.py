@@ -10,17 +10,25 @@ Two levers cut the padding a granularity forces at a given world size ``W``:
 Each alternative is planned for real and reported with its padding and what it costs in
 memory: parameter bytes per rank (the sharded segments) and the largest unsharded group
 buffer (the all-gather peak). Best first = fewest bytes per rank.
+
+With expert parallelism (:func:`suggest_sections`) the experts' section is sharded over
+``1/ep`` of the dense section's ranks; an HSDP shard group of ``D`` dense ranks (``ep``
+divides ``D``) shards the experts over ``D/ep`` ranks, and a merge merges ``k`` consecutive
+groups within each section.
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .granularity import TensorSpec
-from .model import ModelPlan, plan_model
+from .model import ModelPlan
+from .sections import Section, SectionedPlan, plan_sections
 
-__all__ = ["Suggestion", "suggest", "shard_group_sizes", "merge_groups"]
+__all__ = ["Suggestion", "suggest", "suggest_sections", "shard_group_sizes", "merge_groups"]
 
 
 @dataclass(frozen=True)
@@ -32,16 +40,21 @@ class Suggestion:
     gathered_bytes: int
     plan_seconds: float
     replicas: int = 1  # hsdp: shard groups that replicate each other
+    expert_ranks: int | None = None  # hsdp with expert parallelism: the experts' shard group
 
     def describe(self) -> str:
         if self.kind == "hsdp":
+            if self.expert_ranks is not None:
+                return (f"shard over {self.value} ranks, experts over {self.expert_ranks} "
+                        f"(HSDP, {self.replicas} replicas)")
             return f"shard over {self.value} ranks (HSDP, {self.replicas} replicas)"
         return f"merge {self.value} consecutive groups"
 
 
-def shard_group_sizes(world_size: int, limit: int = 12) -> list[int]:
-    """Divisors of ``world_size`` below it, largest first (at most ``limit``)."""
-    divs = [d for d in range(world_size - 1, 0, -1) if world_size % d == 0]
+def shard_group_sizes(world_size: int, limit: int = 12, multiple_of: int = 1) -> list[int]:
+    """Divisors of ``world_size`` below it that are multiples of ``multiple_of``, largest
+    first (at most ``limit``)."""
+    divs = [d for d in range(world_size - 1, 0, -1) if world_size % d == 0 and d % multiple_of == 0]
     return divs[:limit]
 
 
@@ -55,25 +68,47 @@ def merge_groups(groups: Sequence[tuple[str, Sequence[TensorSpec]]], k: int) -> 
     return out
 
 
-def _suggestion(kind: str, value: int, mp: ModelPlan, replicas: int = 1) -> Suggestion:
+def _suggestion(kind: str, value: int, mp: ModelPlan | SectionedPlan, replicas: int = 1,
+                expert_ranks: int | None = None) -> Suggestion:
     return Suggestion(kind, value, mp.padding_ratio, mp.bytes_per_rank, mp.max_group_bytes,
-                      mp.plan_seconds, replicas)
+                      mp.plan_seconds, replicas, expert_ranks)
 
 
 def suggest(groups: Sequence[tuple[str, Sequence[TensorSpec]]], world_size: int, align_bytes: int = 16,
             current: ModelPlan | None = None, per_kind: int = 3) -> list[Suggestion]:
     """Alternatives that cut the padding of planning ``groups`` over ``world_size`` ranks:
     the best ``per_kind`` of each lever, best (fewest parameter bytes per rank) first."""
-    groups = [(name, list(specs)) for name, specs in groups]
+    return suggest_sections([Section("dense", world_size, [(n, list(sp)) for n, sp in groups])],
+                            align_bytes, current, per_kind)
+
+
+def suggest_sections(sections: Sequence[Section], align_bytes: int = 16,
+                     current: ModelPlan | SectionedPlan | None = None, per_kind: int = 3) -> list[Suggestion]:
+    """:func:`suggest` for a model in sections: the first section is the dense one (sharded
+    over ``W_d`` ranks); any other section's world size must divide ``W_d`` (its ratio is the
+    expert-parallel degree), and shrinks with it under HSDP."""
+    sections = [Section(s.kind, s.world_size, [(n, list(sp)) for n, sp in s.groups]) for s in sections]
+    Wd = sections[0].world_size
+    ratios = []
+    for s in sections:
+        if Wd % s.world_size:
+            raise ValueError(f"section {s.kind!r}: its {s.world_size} ranks do not divide the first "
+                             f"section's {Wd}")
+        ratios.append(Wd // s.world_size)
+    step = math.lcm(*ratios)
     if current is None:
-        current = plan_model(groups, world_size, align_bytes)
+        current = plan_sections(sections, align_bytes)
     found = []
-    for d in shard_group_sizes(world_size):
-        found.append(_suggestion("hsdp", d, plan_model(groups, d, align_bytes), world_size // d))
-    k = 2
-    while k <= len(groups):
-        found.append(_suggestion("merge", k, plan_model(merge_groups(groups, k), world_size, align_bytes)))
+    for d in shard_group_sizes(Wd, multiple_of=step):
+        shrunk = [Section(s.kind, d // r, s.groups) for s, r in zip(sections, ratios)]
+        experts = d // step if len(sections) > 1 else None
+        found.append(_suggestion("hsdp", d, plan_sections(shrunk, align_bytes), Wd // d, experts))
+    k, longest = 2, max(len(s.groups) for s in sections)
+    while k <= longest:
+        merged = [Section(s.kind, s.world_size, merge_groups(s.groups, k)) for s in sections]
+        found.append(_suggestion("merge", k, plan_sections(merged, align_bytes)))
         k *= 2
+
     def rank(s: Suggestion):
         return (s.bytes_per_rank, s.padding_ratio, s.gathered_bytes)
 
