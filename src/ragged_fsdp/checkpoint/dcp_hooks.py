@@ -30,22 +30,24 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 __all__ = ["local_box_views", "create_write_items", "create_chunk_list", "get_tensor_shard"]
 
 
-def _ragged(dt):
-    from ragged_fsdp.placement.dtensor import ragged_dim
-
-    d = ragged_dim(dt._spec.placements)
-    return dt._spec.placements[d], dt.device_mesh.get_local_rank(d), d
-
-
 def local_box_boxes(dt) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """The (offsets, sizes) boxes of the global tensor that this rank's run covers."""
-    placement, rank, d = _ragged(dt)
+    """The (offsets, sizes) boxes of the global tensor that this rank's run covers: boxes of
+    the outer-local tensor (the TP/EP-local one, or the global one), shifted by where that
+    tensor sits in the global tensor. HSDP replicas declare the same boxes (DCP keeps one)."""
+    from ragged_fsdp.placement.dtensor import outer_offsets, outer_shape, ragged_dim
+
+    spec = dt._spec
+    d = ragged_dim(spec.placements)
+    rank = dt.device_mesh.get_local_rank(d)
     shape = tuple(dt.shape)
-    boxes = placement.local_boxes(shape, rank)
-    if not boxes and math.prod(shape) == 0 and rank == 0:
+    boxes = spec.placements[d].local_boxes(outer_shape(spec), rank)
+    if not boxes and math.prod(shape) == 0 and all(c == 0 for c in dt.device_mesh.get_coordinate()):
         # A tensor with no elements still needs one (empty) chunk in the checkpoint, or DCP
         # would not know the key at all; the first rank declares it.
-        boxes = [((0,) * len(shape), shape)]
+        return [((0,) * len(shape), shape)]
+    base = outer_offsets(spec)
+    if any(base):
+        boxes = [(tuple(o + b for o, b in zip(off, base)), sizes) for off, sizes in boxes]
     return boxes
 
 

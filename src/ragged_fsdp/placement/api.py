@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -10,7 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
-from .dtensor import _FromLocal, element_ranges, make_spec, ragged_dim, wrap
+from .dtensor import (
+    _FromLocal, element_ranges, expected_local_shape, has_outer_shards, local_range, make_spec,
+    outer_placements, ragged_dim, wrap,
+)
 from .ragged_shard import RaggedShard
 
 __all__ = ["from_local", "distribute_tensor"]
@@ -45,8 +49,8 @@ def from_local(
         return wrap(local.detach().new_empty(0), spec, requires_grad=bool(requires_grad))
     d = ragged_dim(spec.placements)
     rank = mesh.get_local_rank(d)
-    want = spec.placements[d].local_shape(spec.shape, rank)
-    n = spec.placements[d].local_numel(spec.shape, rank)
+    want = expected_local_shape(spec)
+    n = math.prod(want)
     if local.numel() != n:
         raise ValueError(
             f"from_local: rank {rank} holds {local.numel()} elements but {spec.placements[d]} "
@@ -55,7 +59,7 @@ def from_local(
     if tuple(local.shape) != tuple(want):
         local = local.view(want)
     if run_check:
-        sizes = torch.tensor([local.numel()], dtype=torch.int64)
+        sizes = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
         group = mesh.get_group(d)
         got = [torch.zeros_like(sizes) for _ in range(mesh.size(d))]
         dist.all_gather(got, sizes, group=group)
@@ -91,6 +95,13 @@ def distribute_tensor(
         # This rank is not in the mesh: it holds nothing and takes part in no collective
         # (torch's distribute_tensor does the same).
         return wrap(tensor.detach().new_empty(0), spec, requires_grad=tensor.requires_grad)
+    if has_outer_shards(spec):
+        # torch cuts the outer-local tensor (scattering from src_data_rank as asked); our
+        # piece of it needs no communication
+        outer = torch_distribute_tensor(tensor.detach(), mesh, outer_placements(spec), src_data_rank=src_data_rank)
+        a, b = local_range(spec)
+        piece = outer._local_tensor.reshape(-1)[a:b].clone()
+        return wrap(piece.view(expected_local_shape(spec)), spec, requires_grad=tensor.requires_grad)
     d = ragged_dim(spec.placements)
     rank, group, world = mesh.get_local_rank(d), mesh.get_group(d), mesh.size(d)
     ranges = element_ranges(spec)

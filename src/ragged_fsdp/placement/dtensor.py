@@ -5,8 +5,16 @@ needs a subclass whose ``__torch_dispatch__`` is ours (see ``ops.py``). The subc
 DTensor's fields (``_local_tensor``, ``_spec``) so ``isinstance(t, DTensor)``, ``placements``,
 ``device_mesh`` and ``to_local`` behave as users expect.
 
-Exactly one mesh dimension carries the RaggedShard; the others must be Replicate (the
-data-parallel layout; a second sharded mesh dim is future work).
+Exactly one mesh dimension carries the RaggedShard. Every other mesh dimension is
+``Replicate()`` (HSDP's replicate dim) or an even ``Shard(k)`` (tensor or expert parallelism).
+The RaggedShard always applies *last*, whatever its position in the placements: the other
+placements first cut the global tensor into the "outer-local" tensor (the TP/EP-local
+tensor, by DTensor's left-to-right chunking), and the RaggedShard splits that tensor's
+row-major elements over its mesh dim. That is what ``fully_shard`` after
+``parallelize_module`` produces (TP first, then FSDP on the TP-local tensor), for
+ColwiseParallel (both split dim 0: torch needs ``_StridedShard`` to say this) and
+RowwiseParallel alike. Splits of the outer placements must be even, so that every rank of
+the RaggedShard's mesh dim sees the same outer-local shape and one placement describes them.
 """
 
 from __future__ import annotations
@@ -18,12 +26,16 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .ragged_shard import RaggedShard
 
-__all__ = ["RaggedDTensor", "ragged_dim", "make_spec", "wrap", "spec_mismatch", "rebuild_ragged"]
+__all__ = [
+    "RaggedDTensor", "ragged_dim", "make_spec", "wrap", "spec_mismatch", "rebuild_ragged",
+    "outer_shape", "outer_offsets", "outer_placements", "outer_piece", "my_piece", "local_range",
+    "split_groups", "has_outer_shards",
+]
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -56,15 +68,103 @@ def make_spec(
             "give one placement per mesh dimension"
         )
     d = ragged_dim(placements)
-    for i, p in enumerate(placements):
-        if i != d and not isinstance(p, Replicate):
-            raise NotImplementedError(
-                f"placement {p} on mesh dim {i}: next to a RaggedShard only Replicate is supported"
-            )
     shape = tuple(int(s) for s in shape)
-    placements[d].check(shape, mesh.size(d))
+    for i, p in enumerate(placements):
+        if i == d or isinstance(p, Replicate) or type(p) is Shard:
+            continue
+        raise NotImplementedError(
+            f"placement {p} on mesh dim {i}{_dim_name(mesh, i)}: next to a RaggedShard only "
+            "Replicate() and Shard(k) are supported (reduce a Partial first; a _StridedShard "
+            "is what RaggedShard replaces: the RaggedShard always splits the tensor left by "
+            "the other placements)"
+        )
+    placements[d].check(_outer_shape(mesh, placements, shape), mesh.size(d))
     meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
     return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def _dim_name(mesh: DeviceMesh, i: int) -> str:
+    names = mesh.mesh_dim_names
+    return f" ({names[i]!r})" if names else ""
+
+
+def _outer_shape(mesh: DeviceMesh, placements: Sequence, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = list(shape)
+    for i, p in enumerate(placements):
+        if type(p) is not Shard:
+            continue
+        k = p.dim % len(shape) if shape else p.dim
+        if k >= len(shape):
+            raise ValueError(f"Shard({p.dim}) on mesh dim {i}: the tensor of shape {shape} has no dim {p.dim}")
+        n = mesh.size(i)
+        if out[k] % n:
+            raise NotImplementedError(
+                f"Shard({p.dim}) on mesh dim {i}{_dim_name(mesh, i)} splits a dim of size {out[k]} "
+                f"(tensor shape {shape}) over {n} ranks unevenly; next to a RaggedShard the other "
+                "placements must split evenly (pad that dim, or choose a mesh size that divides it)"
+            )
+        out[k] //= n
+    return tuple(out)
+
+
+def outer_shape(spec: DTensorSpec) -> tuple[int, ...]:
+    """Shape of the tensor the RaggedShard splits: the global tensor cut by the other
+    placements (the TP/EP-local tensor; the global shape when they are all Replicate)."""
+    return _outer_shape(spec.mesh, spec.placements, tuple(spec.shape))
+
+
+def has_outer_shards(spec: DTensorSpec) -> bool:
+    return any(type(p) is Shard for p in spec.placements)
+
+
+def outer_placements(spec: DTensorSpec) -> tuple:
+    """The placements once the RaggedShard dim is gathered (Replicate there)."""
+    d = ragged_dim(spec.placements)
+    return tuple(Replicate() if i == d else p for i, p in enumerate(spec.placements))
+
+
+def outer_offsets(spec: DTensorSpec, coordinate: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Global offset of this rank's outer-local tensor (left-to-right chunking, even)."""
+    mesh, shape = spec.mesh, tuple(spec.shape)
+    coord = coordinate if coordinate is not None else mesh.get_coordinate()
+    off, size = [0] * len(shape), list(shape)
+    for i, p in enumerate(spec.placements):
+        if type(p) is not Shard:
+            continue
+        k = p.dim % len(shape)
+        size[k] //= mesh.size(i)
+        off[k] += coord[i] * size[k]
+    return tuple(off)
+
+
+def outer_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's outer-local part of a global tensor (a view; ``full`` itself when the
+    other placements are all Replicate)."""
+    if not has_outer_shards(spec):
+        return full
+    out = full
+    for k, (o, n) in enumerate(zip(outer_offsets(spec), outer_shape(spec))):
+        if n != full.shape[k]:
+            out = out.narrow(k, o, n)
+    return out
+
+
+def local_range(spec: DTensorSpec) -> tuple[int, int]:
+    """[a, b) of this rank's elements in the row-major flattened outer-local tensor."""
+    return element_ranges(spec)[local_rank_on(spec)]
+
+
+def my_piece(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's local elements of a global tensor, flat (a view when possible)."""
+    a, b = local_range(spec)
+    return outer_piece(full, spec).reshape(-1)[a:b]
+
+
+def split_groups(spec: DTensorSpec) -> list:
+    """Process groups of every mesh dim that splits the tensor (the RaggedShard's and each
+    Shard's): a global reduction all-reduces over each of them, never over Replicate dims."""
+    return [spec.mesh.get_group(i) for i, p in enumerate(spec.placements)
+            if isinstance(p, RaggedShard) or type(p) is Shard]
 
 
 def local_rank_on(spec: DTensorSpec) -> int:
@@ -73,12 +173,13 @@ def local_rank_on(spec: DTensorSpec) -> int:
 
 def expected_local_shape(spec: DTensorSpec) -> tuple[int, ...]:
     d = ragged_dim(spec.placements)
-    return spec.placements[d].local_shape(spec.shape, spec.mesh.get_local_rank(d))
+    return spec.placements[d].local_shape(outer_shape(spec), spec.mesh.get_local_rank(d))
 
 
 def element_ranges(spec: DTensorSpec) -> tuple[tuple[int, int], ...]:
+    """Every rank's [a, b) of the flattened outer-local tensor, by RaggedShard rank."""
     d = ragged_dim(spec.placements)
-    return _ranges(spec.placements[d], tuple(spec.shape))
+    return _ranges(spec.placements[d], outer_shape(spec))
 
 
 @functools.lru_cache(maxsize=65536)
@@ -99,6 +200,8 @@ def spec_mismatch(a: DTensorSpec, b: DTensorSpec) -> str | None:
         return f"shapes differ ({tuple(a.shape)} vs {tuple(b.shape)})"
     if ragged_dim(a.placements) != ragged_dim(b.placements):
         return "RaggedShard sits on different mesh dims"
+    if outer_placements(a) != outer_placements(b):
+        return f"the other placements differ ({a.placements} vs {b.placements})"
     if element_ranges(a) != element_ranges(b):
         return f"layouts differ ({a.placements} vs {b.placements})"
     return None
@@ -201,6 +304,12 @@ class RaggedDTensor(DTensor):
     @property
     def local_shape(self) -> tuple[int, ...]:
         return tuple(self._local_tensor.shape)
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """[a, b) of this rank's elements in the flattened outer-local tensor (the global
+        tensor when the other placements are Replicate)."""
+        return local_range(self._spec)
 
     @property
     def ragged_placement(self) -> RaggedShard:

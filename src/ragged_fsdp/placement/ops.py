@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .dtensor import RaggedDTensor, element_ranges, ragged_dim, spec_mismatch, wrap
+from .dtensor import RaggedDTensor, my_piece, spec_mismatch, split_groups, wrap
 
 aten = torch.ops.aten
 
@@ -176,13 +176,20 @@ def _bool_op(func, args, kwargs):
         return False
     if func is aten.is_same_size.default:
         return True
-    same = torch.tensor(int(func(a._local_tensor, b._local_tensor)))
-    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=_group(a))
+    same = torch.tensor(int(func(a._local_tensor, b._local_tensor)), device=a._local_tensor.device)
+    _all_reduce(same, dist.ReduceOp.MIN, _groups(a))
     return bool(same.item())
 
 
-def _group(t: RaggedDTensor):
-    return t._spec.mesh.get_group(ragged_dim(t._spec.placements))
+def _groups(t: RaggedDTensor) -> tuple:
+    """The groups a global reduction of ``t`` runs over (RaggedShard and Shard mesh dims)."""
+    return tuple(split_groups(t._spec))
+
+
+def _all_reduce(t: torch.Tensor, op, groups) -> None:
+    for g in groups:
+        if dist.get_world_size(g) > 1:
+            dist.all_reduce(t, op=op, group=g)
 
 
 # -- random fills ------------------------------------------------------------------------
@@ -195,8 +202,7 @@ def _random(func, args, kwargs):
     local = self._local_tensor
     full = torch.empty(self.shape, dtype=local.dtype, device=local.device)
     out = func(full, *args[1:], **kwargs)
-    a, b = element_ranges(self._spec)[self._spec.mesh.get_local_rank(ragged_dim(self._spec.placements))]
-    piece = out.reshape(-1)[a:b]
+    piece = my_piece(out, self._spec)
     if func._schema.returns and func._schema.returns[0].alias_info is not None:
         with torch.no_grad():
             local.view(-1).copy_(piece)
@@ -215,9 +221,7 @@ def _copy_from_full(dst: RaggedDTensor, src):
             f"ragged_fsdp: copy_ into a RaggedShard DTensor of shape {tuple(dst.shape)} from "
             f"{shape}; the source must be the full (global) tensor"
         )
-    rank = dst._spec.mesh.get_local_rank(ragged_dim(dst._spec.placements))
-    a, b = element_ranges(dst._spec)[rank]
-    piece = src.reshape(-1)[a:b].view(dst._local_tensor.shape)
+    piece = my_piece(src, dst._spec).view(dst._local_tensor.shape)
     dst._local_tensor.copy_(piece)
     return dst
 
@@ -265,7 +269,7 @@ def _reduce(func, args, kwargs):
             )
         if kwargs.get("keepdim") or (len(args) > 2 and args[2]):
             raise NotImplementedError(f"ragged_fsdp: {func} with keepdim=True on a RaggedShard DTensor")
-    group = _group(self)
+    group = _groups(self)
     name = func.__name__.split(".")[0]
     if name == "linalg_vector_norm":
         ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
@@ -273,7 +277,7 @@ def _reduce(func, args, kwargs):
         return _replicated(_norms([local], ord_, group, dtype)[0], self)
     if name in ("any", "all"):
         v = torch.tensor(int(bool(local.any() if name == "any" else local.all())), device=local.device)
-        dist.all_reduce(v, op=dist.ReduceOp.MAX if name == "any" else dist.ReduceOp.MIN, group=group)
+        _all_reduce(v, dist.ReduceOp.MAX if name == "any" else dist.ReduceOp.MIN, group)
         return _replicated(v.bool(), self)
     if name in ("max", "min", "amax", "amin"):
         is_max = name in ("max", "amax")
@@ -283,15 +287,15 @@ def _reduce(func, args, kwargs):
         else:
             info = torch.iinfo(local.dtype)
             v = (local.amax() if is_max else local.amin()) if local.numel() else torch.tensor(info.min if is_max else info.max, dtype=local.dtype)
-        v = v.clone()
-        dist.all_reduce(v, op=dist.ReduceOp.MAX if is_max else dist.ReduceOp.MIN, group=group)
+        v = v.clone().to(local.device)
+        _all_reduce(v, dist.ReduceOp.MAX if is_max else dist.ReduceOp.MIN, group)
         return _replicated(v, self)
     dtype = kwargs.get("dtype")
     total = local.sum(dtype=dtype) if dtype is not None else local.sum()
     if not total.dtype.is_floating_point and not total.dtype.is_complex:
         total = total.clone()
     acc = total.to(torch.float64) if total.dtype.is_floating_point else total
-    dist.all_reduce(acc, group=group)
+    _all_reduce(acc, dist.ReduceOp.SUM, group)
     total = acc.to(total.dtype)
     if name == "mean":
         total = total / self.numel()
@@ -309,13 +313,13 @@ def _norms(locals_, ord_, group, dtype=None):
             else torch.tensor(0.0 if ord_ > 0 else float("inf"), dtype=torch.float64, device=device)
             for t in locals_
         ])
-        dist.all_reduce(vals, op=dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN, group=group)
+        _all_reduce(vals, dist.ReduceOp.MAX if ord_ > 0 else dist.ReduceOp.MIN, group)
         return [v.to(out_dtype) for v in vals]
     if ord_ == 0:
         vals = torch.stack([(t != 0).sum().to(torch.float64) for t in locals_])
     else:
         vals = torch.stack([t.to(torch.float64).abs().pow(ord_).sum() for t in locals_])
-    dist.all_reduce(vals, group=group)
+    _all_reduce(vals, dist.ReduceOp.SUM, group)
     if ord_ != 0:
         vals = vals.pow(1.0 / ord_)
     return [v.to(out_dtype) for v in vals]
@@ -332,10 +336,10 @@ def _foreach_norm(args, kwargs):
     # One all-reduce per (group, dtype) batch.
     by_group: dict = {}
     for i, t in enumerate(tensors):
-        by_group.setdefault((id(_group(t)), t._local_tensor.dtype), []).append(i)
+        by_group.setdefault((tuple(id(g) for g in _groups(t)), t._local_tensor.dtype), []).append(i)
     result = [None] * len(tensors)
     for idx in by_group.values():
-        vals = _norms([tensors[i]._local_tensor for i in idx], ord_, _group(tensors[idx[0]]), dtype)
+        vals = _norms([tensors[i]._local_tensor for i in idx], ord_, _groups(tensors[idx[0]]), dtype)
         for i, v in zip(idx, vals):
             result[i] = _replicated(v, tensors[i])
     out.extend(result)

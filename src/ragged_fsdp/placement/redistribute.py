@@ -17,7 +17,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
-from .dtensor import RaggedDTensor, element_ranges, make_spec, ragged_dim, wrap
+from .dtensor import (
+    RaggedDTensor, element_ranges, expected_local_shape, has_outer_shards, local_range, make_spec,
+    outer_placements, outer_shape, ragged_dim, wrap,
+)
 from .ragged_shard import RaggedShard
 
 __all__ = ["redistribute", "overlap_splits", "chunk_ranges", "all_gather_flat"]
@@ -147,6 +150,10 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     dst_ragged = any(isinstance(p, RaggedShard) for p in placements)
     if not src_ragged and not dst_ragged:
         return src.redistribute(mesh, placements)
+    if (src_ragged and has_outer_shards(src._spec)) or (
+        dst_ragged and any(type(p) is Shard for p in placements)
+    ):
+        return _redistribute_nd(src, mesh, placements)
     # Work on the ragged mesh dim; every other dim must be Replicate on both sides.
     d = ragged_dim(src.placements if src_ragged else placements)
     group = mesh.get_group(d)
@@ -194,6 +201,26 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
                                   stride=_stride(shape))
     full = all_gather_flat(local.reshape(-1), src_ranges, group).view(shape)
     return torch_distribute_tensor(full, mesh, placements, src_data_rank=None)
+
+
+def _redistribute_nd(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
+    """Layouts whose other mesh dims split the tensor too (TP/EP next to the RaggedShard):
+    through the outer-local tensor, i.e. the RaggedShard dim gathered (one all-gather over
+    that dim), with torch's DTensor doing whatever the other dims need."""
+    shape = torch.Size(src.shape)
+    if isinstance(src, RaggedDTensor):
+        spec = src._spec
+        d = ragged_dim(spec.placements)
+        outer = all_gather_flat(src._local_tensor.reshape(-1), element_ranges(spec), mesh.get_group(d))
+        src = DTensor.from_local(outer.view(outer_shape(spec)), mesh, outer_placements(spec), run_check=False,
+                                 shape=shape, stride=_stride(tuple(shape)))
+    if not any(isinstance(p, RaggedShard) for p in placements):
+        return src if tuple(src.placements) == placements else src.redistribute(mesh, placements)
+    spec = make_spec(mesh, placements, tuple(shape), src.dtype)
+    moved = src.redistribute(mesh, outer_placements(spec))
+    a, b = local_range(spec)
+    piece = moved._local_tensor.reshape(-1)[a:b].clone()
+    return wrap(piece.view(expected_local_shape(spec)), spec)
 
 
 def _inner(shape):
