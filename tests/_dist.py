@@ -38,7 +38,9 @@ def _worker(rank, world, port, cases, queue):
         try:
             fn(rank, world)
             queue.put((name, rank, None))
-        except Exception:  # report every failure, keep going with the next case
+        except BaseException as e:  # also pytest.fail/skip (BaseExceptions): report, keep going
+            if isinstance(e, KeyboardInterrupt):
+                raise
             queue.put((name, rank, traceback.format_exc()))
         try:
             dist.barrier()

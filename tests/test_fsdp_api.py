@@ -250,7 +250,7 @@ def case_errors(rank, world):
     mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4, device="meta"))
     _raises(ValueError, "mixed devices", lambda: fully_shard(mixed, mesh=mesh))
 
-    _raises(ValueError, "granularity_fn", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: None))
+    _raises(TypeError, "shard_placement_fn", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: "x"))
     _raises(ValueError, "mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object()))
     _raises(ValueError, "granularity", lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, granularity_fn=lambda n, p: "bogus"))
 

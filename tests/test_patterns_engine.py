@@ -243,12 +243,13 @@ def case_rank_dependent_granularity(rank, world):
 
 
 def case_dtensor_params_refused(rank, world):
+    """A DTensor parameter on the data-parallel mesh itself (not a TP/EP sibling mesh)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = cpu_mesh(world)
     model = nn.Linear(8, 8 * world)
     model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
-    with pytest.raises(NotImplementedError, match=r"'weight'.*Shard\(dim=0\)"):
+    with pytest.raises(ValueError, match=r"'weight'.*Shard\(dim=0\).*does not compose"):
         fully_shard(model, mesh=mesh)
 
 

@@ -23,12 +23,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from ragged_fsdp.quant import BlockFP8
 
-from .collectives import Comm
 from .device import device_for
 from .init import (
     collect_params, default_mesh, mark_managed, mesh_device, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of, validate_mesh,
 )
+from .mesh_info import dp_mesh_of, place_param, shard_placement_mesh
 from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
@@ -66,18 +66,8 @@ def fully_shard(
     128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
     Gradients and optimizer states are unchanged. The result is the same at every world size.
     """
-    if shard_placement_fn is not None:
-        raise ValueError(
-            "ragged_fsdp.fully_shard: shard_placement_fn is not supported; placements come from "
-            "the planner. Use granularity_fn(name, param) -> 'row' | 'rows:N' | 'block:N' | "
-            "'tensor' | None to say which blocks must stay whole on one rank"
-        )
-    if dp_mesh_dims is not None:
-        raise ValueError(
-            "ragged_fsdp.fully_shard: dp_mesh_dims is not supported yet; pass the 1-D "
-            "data-parallel mesh (e.g. mesh['dp']). Multi-dimensional meshes (HSDP, TP/EP "
-            "composition) are the next step; per-parameter layout is set with granularity_fn"
-        )
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"fully_shard: shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
     if all_gather_quant is not None and not isinstance(all_gather_quant, BlockFP8):
         raise TypeError(
             f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 policy or None, got "
@@ -92,36 +82,48 @@ def fully_shard(
         if state_of(m) is not None:
             raise ValueError(f"fully_shard: {type(m).__name__} is already wrapped; apply fully_shard once per module")
     mesh = mesh if mesh is not None else default_mesh()
-    validate_mesh(mesh)
+    validate_mesh(mesh, dp_mesh_dims)
     device = mesh_device(mesh)
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise NotImplementedError(
-            "fully_shard: CPUOffloadPolicy on an accelerator mesh is not implemented yet; "
-            "on a CPU mesh parameters already live on the CPU"
+            "fully_shard: offload_policy=CPUOffloadPolicy() on an accelerator mesh is not "
+            "implemented (parameters, gradients and optimizer states stay on the device); pass "
+            "OffloadPolicy() or use torch's fully_shard for offloading. On a CPU mesh it is "
+            "accepted and changes nothing: everything already lives on the CPU"
         )
-    W = mesh.size()
-    raf = resolve_reshard_after_forward(reshard_after_forward, W)
+    dp = dp_mesh_of(mesh, dp_mesh_dims)
+    raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
     params = collect_params(modules, ignored)
     where = param_device(params, device)  # the mesh's device, or meta
     move_buffers(modules, device, where)
     state = FSDPState(modules, mp_policy, auto_reshard=reshard_after_forward is None)
     if params:
-        comm = Comm.of(mesh.get_group())
+        meshes: dict = {}
+        placed = []
+        for name, p, _ in params:
+            own = shard_placement_mesh(shard_placement_fn(p), dp, meshes) if shard_placement_fn else dp
+            placed.append(place_param(name, p, own))
         group = ParamGroup(
-            params, modules, mesh, comm, where, device_for(device), mp_policy,
+            params, modules, placed, where, device_for(device), mp_policy,
             granularity_fn, raf, all_gather_quant=all_gather_quant,
         )
         state.group = group
         if not isinstance(raf, bool):
-            group.post_forward_comm = node_comm(mesh, raf)
+            if any(d is not dp for d in group.buffer_dp) or dp.replicate is not None or dp.spmd_mesh is not None:
+                # node groups are made by every rank for every node of one 1-D mesh
+                raise NotImplementedError(
+                    f"fully_shard: reshard_after_forward={raf} (an int) works on a 1-D data-parallel "
+                    "mesh; with HSDP, dp_mesh_dims or per-parameter meshes pass True or False"
+                )
+            for b in range(len(group.buffers)):
+                group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
             mark_managed(p)
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)
         _swap_class(m)
-    state.offload_policy = offload_policy
     return module
 
 
@@ -255,7 +257,21 @@ class FSDPModule(TorchFSDPBase):
         self._fsdp_state().backward_prefetch = [_require_fsdp(m) for m in modules]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        self._fsdp_state().ctx.is_last_backward = is_last_backward
+        """Accepted for torch's API (pipeline schedules call it). ragged_fsdp's final
+        callback always waits for the backward's reductions and hands out the sharded
+        gradients, so there is nothing to defer to a later backward."""
+        if not isinstance(is_last_backward, bool):
+            raise TypeError(f"set_is_last_backward: expected a bool, got {is_last_backward!r}")
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: False skips the all-reduce over the replicate dim (gradient accumulation):
+        the shard-dim sums accumulate and the sharded ``.grad`` stay as they are until a
+        backward with True all-reduces everything accumulated since."""
+        if not isinstance(requires_all_reduce, bool):
+            raise TypeError(f"set_requires_all_reduce: expected a bool, got {requires_all_reduce!r}")
+        for st in self._fsdp_states(recurse):
+            if st.group is not None:
+                st.group.requires_all_reduce = requires_all_reduce
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         g = self._fsdp_state().group

@@ -26,7 +26,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from .device import Device, Pending
 
-__all__ = ["Comm", "all_gather", "reduce_scatter", "backend_of"]
+__all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce_sum", "backend_of"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -207,3 +207,9 @@ def reduce_scatter(
 
     post: Callable[[], None] | None = None if direct else (lambda: finish(staging, divide_factor is None))
     return device.launch(lane, issue, post=post, keep=(grad, staging, target))
+
+
+def all_reduce_sum(comm: Comm, t: torch.Tensor) -> None:
+    """In-place sum over ``comm`` (HSDP's replicate dim), synchronous in the current stream."""
+    if comm.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=comm.group)

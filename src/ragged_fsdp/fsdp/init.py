@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from .collectives import Comm
 from .sharded_param import is_sharded_param
@@ -49,31 +48,37 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(kind, (dist.get_world_size(),))
 
 
-def validate_mesh(mesh: DeviceMesh) -> None:
+def validate_mesh(mesh: DeviceMesh, dp_mesh_dims=None) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; only a 1-D "
-            "data-parallel mesh is supported so far (multi-dimensional meshes: HSDP and TP/EP "
-            "composition come next). Pass mesh['dp']"
+    if dp_mesh_dims is None and mesh.ndim > 2:
+        raise ValueError(
+            f"fully_shard: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; pass the 1-D data-parallel "
+            "mesh (FSDP), a 2-D (replicate, shard) mesh (HSDP), or the full mesh together with "
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
+        )
+    if dp_mesh_dims is None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard: a 2-D mesh means HSDP (dims: replicate, shard); build it with "
+            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
         )
     if mesh.get_coordinate() is None:
         raise ValueError(f"fully_shard: this rank ({dist.get_rank()}) is not in the mesh {mesh}")
-    group = mesh.get_group()
-    if dist.get_world_size(group) != mesh.size():
-        raise ValueError(
-            f"fully_shard: the mesh has {mesh.size()} ranks but its process group has "
-            f"{dist.get_world_size(group)}; build the mesh from the process group you train on"
-        )
-    backend = str(dist.get_backend(group)).lower()
-    if mesh.device_type == "cpu" and "gloo" not in backend and "cpu:" not in backend:
-        raise ValueError(
-            f"fully_shard: the mesh is on cpu but its process group uses {backend!r}, which "
-            "cannot move CPU tensors; use a gloo process group or a cuda mesh"
-        )
-    if mesh.device_type == "cuda" and "nccl" not in backend and "gloo" not in backend:
-        raise ValueError(f"fully_shard: the mesh is on cuda but its process group uses {backend!r}")
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        if dist.get_world_size(group) != mesh.size(d):
+            raise ValueError(
+                f"fully_shard: mesh dim {d} has {mesh.size(d)} ranks but its process group has "
+                f"{dist.get_world_size(group)}; build the mesh from the process group you train on"
+            )
+        backend = str(dist.get_backend(group)).lower()
+        if mesh.device_type == "cpu" and "gloo" not in backend and "cpu:" not in backend:
+            raise ValueError(
+                f"fully_shard: the mesh is on cpu but its process group uses {backend!r}, which "
+                "cannot move CPU tensors; use a gloo process group or a cuda mesh"
+            )
+        if mesh.device_type == "cuda" and "nccl" not in backend and "gloo" not in backend:
+            raise ValueError(f"fully_shard: the mesh is on cuda but its process group uses {backend!r}")
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -136,14 +141,6 @@ def collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tuple
                             f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already sharded "
                             "by the fully_shard of an enclosing module. Apply fully_shard bottom-up: "
                             "children first, then their parents"
-                        )
-                    if isinstance(p, DTensor):
-                        raise NotImplementedError(
-                            f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already a DTensor "
-                            f"on mesh {p.device_mesh.mesh_dim_names or tuple(p.device_mesh.shape)} with "
-                            f"placements {tuple(p.placements)} (tensor or expert parallelism). Composing "
-                            "fully_shard with TP/EP DTensor parameters is not supported yet; shard a model "
-                            "whose parameters are plain tensors, or use torch's fully_shard for this module"
                         )
                     ref = _managed_params.get(id(p))
                     if ref is not None and ref() is p:

@@ -39,12 +39,13 @@ from torch.distributed.tensor import DTensor
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
 from ragged_fsdp.placement import RaggedDTensor
-from ragged_fsdp.placement.dtensor import element_ranges
+from ragged_fsdp.placement.dtensor import my_piece, spec_mismatch
 
-from .collectives import Comm, all_gather, reduce_scatter
+from .collectives import Comm, all_gather, all_reduce_sum, reduce_scatter
 from .consistency import check_same_layout
 from .device import Device, Pending
 from .hooks import attach_post_backward, in_backward
+from .mesh_info import DPMesh, ParamPlacement
 from .quant_gather import attach_quant, fp8_granularity, quant_all_gather
 from .saved import eager as _eager
 from .saved import start_watch, stop_watch, watching
@@ -76,6 +77,7 @@ class ParamInfo:
     owners: list[tuple[nn.Module, str]]  # every (module, attribute) registering it (tied params)
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
+    unsharded_spec: Any = None  # DTensorSpec of a TP/EP parameter's unsharded DTensor, or None
 
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.owners:
@@ -87,10 +89,25 @@ class _Reduction:
     """One in-flight gradient reduction of one DBuffer."""
 
     buffer: int
-    pending: Pending
+    pending: Any  # Pending or _ThenAllReduce: .wait() finishes the reduction
     target: torch.Tensor  # the sharded gradient segment being written
     touched: list[bool]  # per slot: got a gradient on this rank
     had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
+    dp: DPMesh | None = None  # the ranks it reduced over (its flags are combined over them)
+
+
+class _ThenAllReduce:
+    """HSDP: the reduce-scatter over the shard dim, then (when it is done) the sum over the
+    replicate dim and the divide, into the sharded gradient segment."""
+
+    def __init__(self, first: Pending, then: Callable[[], None]):
+        self.first, self.then = first, then
+
+    def wait(self) -> None:
+        if self.first is not None:
+            self.first.wait()
+            self.first = None
+            self.then()
 
 
 @dataclass
@@ -121,6 +138,19 @@ class _Backward:
     reduced: list[_Reduction] = field(default_factory=list)  # reductions issued in it
 
 
+def _local_grad(g: DTensor, spec) -> torch.Tensor:
+    """A TP/EP parameter's DTensor gradient as a local tensor in the parameter's own
+    placements (a Partial gradient, e.g. of a norm weight under SequenceParallel, is summed
+    over its TP ranks first, as torch's FSDP2 does)."""
+    with torch.no_grad():
+        if tuple(g.placements) != tuple(spec.placements):
+            g = g.redistribute(g.device_mesh, spec.placements)
+        local = g.to_local()
+        if type(local).__name__ == "AsyncCollectiveTensor":
+            local = local.wait()
+    return local
+
+
 def _embedding_only(owners) -> bool:
     """A parameter only one nn.Embedding registers, as its weight (not tied to a head)."""
     return len(owners) == 1 and isinstance(owners[0][0], nn.Embedding) and owners[0][1] == "weight"
@@ -131,8 +161,7 @@ class ParamGroup:
         self,
         params: list[tuple[str, nn.Parameter, list[tuple[nn.Module, str]]]],
         modules: tuple[nn.Module, ...],
-        mesh: DeviceMesh,
-        comm: Comm,
+        placed: list[ParamPlacement],
         device: torch.device,
         dev: Device,
         mp_policy,
@@ -141,8 +170,11 @@ class ParamGroup:
         all_gather_quant=None,
     ):
         self.modules = modules
-        self.mesh = mesh
-        self.comm = comm
+        self.dps: list[DPMesh] = []  # the data-parallel meshes of its buffers, in first-use order
+        for pl in placed:
+            if not any(pl.dp is d for d in self.dps):
+                self.dps.append(pl.dp)
+        self.buffer_dp: list[DPMesh] = []  # per buffer
         self.device = device
         self.dev = dev
         self.mp_policy = mp_policy
@@ -151,12 +183,15 @@ class ParamGroup:
         self.reduce_grads = True
         self.unshard_in_backward: bool | None = None  # None: skip buffers backward provably needs not
         self.gradient_divide_factor: float | None = None
+        self.requires_all_reduce = True  # HSDP: sum over the replicate dim after the reduce-scatter
+        self._partial: dict[int, torch.Tensor] = {}  # HSDP, per buffer: reduced over shard only
+        self._partial_touched: dict[int, list[bool]] = {}
         self.fqn = ""  # module path from the root, for messages
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.ctx = None  # the root's shared context (set at lazy init)
         self._gathering: list[Pending] | None = None
-        self.post_forward_comm: Comm | None = None  # for reshard_after_forward=int
+        self.post_forward_comms: list[Comm | None] = []  # per buffer, for reshard_after_forward=int
         self._kept: list[torch.Tensor | None] = []  # per buffer: the part kept after forward
         self._last_grad_seg: list[weakref.ref | None] = []
         self.fwd = _Forward()
@@ -169,30 +204,50 @@ class ParamGroup:
         self.buffers: list[DBuffer] = []
         self.infos: list[ParamInfo] = []
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
-        self._build(params, granularity_fn)
+        self._build(params, placed, granularity_fn)
+
+    @property
+    def comm(self) -> Comm:
+        """The shard-dim communicator of the group's (first) data-parallel mesh."""
+        return self.dps[0].shard
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.dps[0].mesh
+
+    def comm_of(self, b: int) -> Comm:
+        return self.buffer_dp[b].shard
 
     # -- construction ----------------------------------------------------------------------
-    def _build(self, params, granularity_fn) -> None:
+    def _build(self, params, placed: list[ParamPlacement], granularity_fn) -> None:
         # One DBuffer per (dtype, trainable, fp8-gathered, embedding) kind. Embedding weights
         # get their own: their gradients arrive at the very end of backward (the others' near
         # the start), and their backward needs only the indices, so that buffer is neither
         # kept unsharded nor re-gathered for backward (see _skip_in_backward).
-        kinds: dict[tuple[torch.dtype, bool, bool, bool], list[int]] = {}
+        # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
+        # experts over the dp ranks of their EP group: those get their own buffers.)
+        kinds: dict[tuple[int, torch.dtype, bool, bool, bool], list[int]] = {}
         quant = self.all_gather_quant
+        dp_index = {id(d): k for k, d in enumerate(self.dps)}
         for i, (name, p, owners) in enumerate(params):
-            fp8 = quant is not None and quant.applies(name, p)  # fp8-gathered tensors: own buffer
-            kinds.setdefault((p.dtype, p.requires_grad, fp8, _embedding_only(owners)), []).append(i)
-        W, rank = self.comm.world_size, self.comm.rank
-        layouts, error = [], None
-        try:
-            for (dtype, _, fp8, _), idx in kinds.items():
-                layouts.append(self._plan(params, idx, dtype, granularity_fn, W, rank, fp8))
-        except (ValueError, NotImplementedError, TypeError) as e:
-            error = e
-        # Every rank must have planned the same layout, or the all-gathers silently mix
-        # different tensors (or hang when the sizes differ): one small all-reduce to check.
-        check_same_layout(self.comm, self.mesh, layouts, [params[idx[0]][1].dtype for idx in kinds.values()], error, self._describe())
-        for layout, ((dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
+            fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
+            key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
+            kinds.setdefault(key, []).append(i)
+        layouts: list = [None] * len(kinds)
+        for k, dp in enumerate(self.dps):
+            mine = [(j, key, idx) for j, (key, idx) in enumerate(kinds.items()) if key[0] == k]
+            error = None
+            try:
+                for j, (_, dtype, _, fp8, _), idx in mine:
+                    layouts[j] = self._plan(params, placed, idx, dtype, granularity_fn, dp.shard.world_size,
+                                            dp.shard.rank, fp8)
+            except (ValueError, NotImplementedError, TypeError) as e:
+                error = e
+            # Every rank must have planned the same layout, or the all-gathers silently mix
+            # different tensors (or hang when the sizes differ): one small all-reduce to check.
+            check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
+                              [params[idx[0]][1].dtype for _, _, idx in mine], error, self._describe())
+        for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
             compute, reduce_ = self._mp_dtypes(dtype)
             buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
             if fp8:
@@ -204,20 +259,29 @@ class ParamGroup:
                     for module, _ in params[i][2]:
                         module.register_forward_pre_hook(_eager(self._embedding_pre_forward))
             self.buffers.append(buf)
+            self.buffer_dp.append(self.dps[dpk])
+            self.post_forward_comms.append(None)
             self._last_grad_seg.append(None)
             for j, i in enumerate(idx):
                 name, p, owners = params[i]
-                buf.copy_full_(j, p.to(self.device) if p.device.type not in ("meta", self.device.type) else p)
+                pl = placed[i]
+                data = pl.data.detach()
+                buf.copy_full_(j, data.to(self.device) if data.device.type not in ("meta", self.device.type) else data)
                 s = buf.slots[j]
-                sharded = make_sharded_param(buf.sharded_view(j), self.mesh, s.placement, s.shape, p.requires_grad)
-                info = ParamInfo(name, b, j, owners, sharded)
+                sharded = make_sharded_param(buf.sharded_view(j), pl.mesh, pl.with_ragged(s.placement),
+                                             tuple(p.shape), p.requires_grad)
+                info = ParamInfo(name, b, j, owners, sharded, unsharded_spec=pl.unsharded_spec)
                 info.register(sharded)
                 self.infos.append(info)
 
-    def _plan(self, params, idx, dtype, granularity_fn, W, rank, fp8=False):
+    def _plan(self, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
+        """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
+        parallel split applies to (TP/EP-local for DTensor parameters); ``granularity_fn``
+        is asked about the parameter and applies to that local tensor."""
         tensors, keys = [], set()
         for j, i in enumerate(idx):
             name, p, _ = params[i]
+            shape = tuple(placed[i].data.shape)
             spec = None
             if granularity_fn is not None:
                 raw = granularity_fn(name, p)
@@ -226,10 +290,10 @@ class ParamGroup:
                 except ValueError as e:
                     raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
             if fp8:
-                spec = fp8_granularity(self.all_gather_quant, name, p.shape, spec)
+                spec = fp8_granularity(self.all_gather_quant, name, shape, spec)
             key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
             keys.add(key)
-            tensors.append((key, tuple(p.shape), spec))
+            tensors.append((key, shape, spec))
         try:
             return plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
         except (ValueError, NotImplementedError) as e:
@@ -251,8 +315,14 @@ class ParamGroup:
         p = info.unsharded
         if p is None:
             view = buf.unsharded_views()[info.slot]
+            spec = info.unsharded_spec
+            if spec is not None:
+                # a TP/EP parameter: the module computes with a DTensor of its own mesh and
+                # placements whose local tensor is the gathered view (as before fully_shard)
+                view = DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
+                                          shape=spec.shape, stride=spec.stride)
             p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
-            if buf.reduce_dtype != buf.compute_dtype:
+            if buf.reduce_dtype != buf.compute_dtype and spec is None:
                 p.grad_dtype = buf.reduce_dtype
             if p.requires_grad:
                 p.register_hook(functools.partial(self._on_grad, info))
@@ -296,9 +366,9 @@ class ParamGroup:
         self.check_materialized()
         with record_function("ragged_fsdp::all_gather"):
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
-                pend = [all_gather(self.dev, self.post_forward_comm, self.buffers[b], inp=self._kept[b]) for b in todo]
+                pend = [all_gather(self.dev, self.post_forward_comms[b], self.buffers[b], inp=self._kept[b]) for b in todo]
             else:
-                pend = [(quant_all_gather if self.buffers[b].quant else all_gather)(self.dev, self.comm, self.buffers[b])
+                pend = [(quant_all_gather if self.buffers[b].quant else all_gather)(self.dev, self.comm_of(b), self.buffers[b])
                         for b in todo]
         self._gathering = [p for p in pend if p is not None]
         self._gathered_now = todo
@@ -365,13 +435,13 @@ class ParamGroup:
     def reshard_post_forward(self) -> None:
         """Keep this rank's 1/k part of each unsharded buffer (k = reshard_after_forward),
         free the rest; the next unshard gathers within the node."""
-        if self.post_forward_comm is None:
+        if not self.post_forward_comms or any(c is None for c in self.post_forward_comms):
             return self.reshard()
         if not self.is_unsharded:
             self.wait_for_unshard()
-        k, j = self.post_forward_comm.world_size, self.post_forward_comm.rank
         kept = []
-        for buf in self.buffers:
+        for b, buf in enumerate(self.buffers):
+            k, j = self.post_forward_comms[b].world_size, self.post_forward_comms[b].rank
             part = buf.layout.total // k
             kept.append(buf.unsharded.narrow(0, j * part, part).clone())
             buf.free_unsharded()
@@ -497,7 +567,11 @@ class ParamGroup:
             buf.alloc_grad()
         p = info.unsharded
         alias = buf.grad_view(info.slot)
-        if p is not None and p.grad is not alias:
+        if info.unsharded_spec is not None:
+            # a TP/EP DTensor: autograd keeps its own DTensor gradient (its placements may
+            # be Partial); post_backward moves it to the parameter's placements and adds it in
+            pass
+        elif p is not None and p.grad is not alias:
             if p.grad is None:
                 p.grad = alias
             else:
@@ -516,9 +590,12 @@ class ParamGroup:
         alias = buf.grad_view(info.slot)
         g = p.grad
         p.grad = None
+        if isinstance(g, DTensor):
+            g = _local_grad(g, info.unsharded_spec)
         with torch.no_grad():
-            alias.add_(g.to(alias.dtype))
-        p.grad = alias
+            alias.add_(g.reshape(alias.shape).to(alias.dtype))
+        if info.unsharded_spec is None:
+            p.grad = alias
 
     def _post_backward_from_autograd(self) -> None:
         self.bwd.fired += 1
@@ -554,7 +631,7 @@ class ParamGroup:
             p = info.unsharded
             if p is not None and p.grad is not None:
                 buf = self.buffers[info.buffer]
-                if buf.grad is None or p.grad is not buf.grad_view(info.slot):
+                if buf.grad is None or info.unsharded_spec is not None or p.grad is not buf.grad_view(info.slot):
                     self._fold_foreign_grad(info)
         if not self.reduce_grads:
             if self.reshard_after_backward:
@@ -584,25 +661,71 @@ class ParamGroup:
 
     def _reduce(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
         buf = self.buffers[b]
-        mine = [info for info in self.infos if info.buffer == b]
-        had = [False] * len(buf.slots)
-        existing = {}
-        for info in mine:
-            if info.sharded.grad is not None:
-                had[info.slot] = True
-                existing[info.slot] = info.sharded.grad
+        dp = self.buffer_dp[b]
+        if dp.replicate is not None:
+            return self._reduce_hsdp(b, grad, touched)
+        had, existing = self._existing_grads(b)
         if not existing:
             if buf.world_size == 1 and grad.dtype == buf.dtype and self.gradient_divide_factor is None:
                 # nothing to reduce: the unsharded gradient buffer is the sharded one
-                red = _Reduction(b, Pending(), grad, touched, had)
+                red = _Reduction(b, Pending(), grad, touched, had, dp)
                 self.bwd.reduced.append(red)
                 return
             target, accumulate = buf.new_sharded_grad(), False
         else:
             target = self._accumulation_target(b, existing)
             accumulate = True
-        pending = reduce_scatter(self.dev, self.comm, grad, target, accumulate, self.gradient_divide_factor)
-        red = _Reduction(b, pending, target, touched, had)
+        pending = reduce_scatter(self.dev, dp.shard, grad, target, accumulate, self.gradient_divide_factor)
+        red = _Reduction(b, pending, target, touched, had, dp)
+        self.bwd.reduced.append(red)
+        self.ctx.in_flight.append(red)
+
+    def _existing_grads(self, b: int) -> tuple[list[bool], dict[int, torch.Tensor]]:
+        had = [False] * len(self.buffers[b].slots)
+        existing = {}
+        for info in self.infos:
+            if info.buffer == b and info.sharded.grad is not None:
+                had[info.slot] = True
+                existing[info.slot] = info.sharded.grad
+        return had, existing
+
+    def _reduce_hsdp(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
+        """HSDP: sum over the shard dim into a fresh segment (one reduce-scatter), then, once
+        that is done, sum over the replicate dim (one all-reduce) and divide by every data-
+        parallel rank. With ``set_requires_all_reduce(False)`` the shard-dim sums pile up
+        instead and the sharded grads stay as they are, until a reduction that all-reduces
+        (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
+        buf, dp = self.buffers[b], self.buffer_dp[b]
+        partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+        first = reduce_scatter(self.dev, dp.shard, grad, partial, False, 1.0)
+        earlier = self._partial.pop(b, None)
+        earlier_touched = self._partial_touched.pop(b, None)
+        if earlier_touched is not None:
+            touched = [x or y for x, y in zip(touched, earlier_touched)]
+        if not self.requires_all_reduce:
+            def keep():
+                if earlier is not None:
+                    partial.add_(earlier)
+                self._partial[b] = partial
+                self._partial_touched[b] = touched
+
+            self.ctx.in_flight.append(_Reduction(b, _ThenAllReduce(first, keep), partial, touched, [], dp))
+            return
+        had, existing = self._existing_grads(b)
+        target = self._accumulation_target(b, existing) if existing else buf.new_sharded_grad()
+        factor = float(self.gradient_divide_factor or dp.size)
+
+        def finish():
+            if earlier is not None:
+                partial.add_(earlier)
+            all_reduce_sum(dp.replicate, partial)
+            if existing:
+                target.add_(partial.to(target.dtype), alpha=1.0 / factor)
+            else:
+                target.copy_(partial)
+                target.mul_(1.0 / factor)
+
+        red = _Reduction(b, _ThenAllReduce(first, finish), target, touched, had, dp)
         self.bwd.reduced.append(red)
         self.ctx.in_flight.append(red)
 
@@ -685,14 +808,13 @@ class ParamGroup:
             changed = True
             buf = self.buffers[info.buffer]
             slot = buf.slots[info.slot]
-            if isinstance(cur, RaggedDTensor) and element_ranges(cur._spec) == element_ranges(info.sharded._spec):
+            if isinstance(cur, RaggedDTensor) and spec_mismatch(cur._spec, info.sharded._spec) is None:
                 local = cur._local_tensor
             else:
                 full = cur.full_tensor() if isinstance(cur, DTensor) else cur
-                if tuple(full.shape) != slot.shape:
-                    raise ValueError(f"load_state_dict: {info.fqn} has shape {tuple(full.shape)}, expected {slot.shape}")
-                a, b = slot.placement.element_range(slot.shape, buf.rank)
-                local = full.detach().reshape(-1)[a:b]
+                if tuple(full.shape) != tuple(info.sharded.shape):
+                    raise ValueError(f"load_state_dict: {info.fqn} has shape {tuple(full.shape)}, expected {tuple(info.sharded.shape)}")
+                local = my_piece(full.detach(), info.sharded._spec)
             if cur.requires_grad != info.sharded.requires_grad:
                 info.sharded.requires_grad_(cur.requires_grad)
             new_locals.append(local.detach())

@@ -18,11 +18,14 @@ __all__ = ["make_sharded_param", "make_sharded_grad", "local_of", "is_sharded_pa
 
 
 def make_sharded_param(
-    local: torch.Tensor, mesh: DeviceMesh, placement: RaggedShard, shape: Sequence[int], requires_grad: bool
+    local: torch.Tensor, mesh: DeviceMesh, placements: Sequence, shape: Sequence[int], requires_grad: bool
 ) -> nn.Parameter:
-    """``nn.Parameter`` of a RaggedDTensor wrapping ``local`` (a buffer view, not copied)."""
+    """``nn.Parameter`` of a RaggedDTensor wrapping ``local`` (a buffer view, not copied);
+    ``placements`` has one RaggedShard (a lone RaggedShard means a 1-D mesh)."""
+    if isinstance(placements, RaggedShard):
+        placements = (placements,)
     with torch.no_grad():
-        dt = from_local(local, mesh, (placement,), tuple(shape))
+        dt = from_local(local, mesh, tuple(placements), tuple(shape))
     return nn.Parameter(dt, requires_grad=requires_grad)
 
 
@@ -46,6 +49,6 @@ def repoint(param: nn.Parameter, local: torch.Tensor) -> None:
     if old.device == local.device and old.dtype == local.dtype:
         param._local_tensor = local
         return
-    fresh = make_sharded_param(local, param.device_mesh, param.placements[0], tuple(param.shape), param.requires_grad)
+    fresh = make_sharded_param(local, param.device_mesh, tuple(param.placements), tuple(param.shape), param.requires_grad)
     param.grad = None
     torch.utils.swap_tensors(param, fresh)

@@ -47,7 +47,6 @@ class RootContext:
         self.post_forward_order: list[ParamGroup] = []  # with repeats, for backward prefetch
         self.in_flight: list = []  # _Reduction objects not yet waited for
         self.callback_queued = False
-        self.is_last_backward = True
 
     def retire_reductions(self, keep: int) -> None:
         while len(self.in_flight) > keep:
@@ -238,20 +237,22 @@ class FSDPState:
             ctx.callback_queued = False
 
     def _hand_out_grads(self, states: list[FSDPState]) -> None:
-        """One all-reduce of the 'got a gradient' flags of every reduced tensor, then the
+        """One all-reduce of the 'got a gradient' flags of every reduced tensor per data-
+        parallel mesh (over its shard dim, and its replicate dim under HSDP), then the
         sharded grads become views into the reduced segments."""
         reds = [(st.group, r) for st in states if st.group is not None for r in st.group.bwd.reduced]
         if not reds:
             return
-        by_pg: dict[int, list] = {}  # one all-reduce per process group, in a fixed order
+        by_dp: dict[int, list] = {}  # in a fixed order: every rank issues the same collectives
         for g, r in reds:
-            by_pg.setdefault(id(g.comm.group), []).append((g, r))
-        for items in by_pg.values():
-            comm = items[0][0].comm
+            by_dp.setdefault(id(r.dp), []).append((g, r))
+        for items in by_dp.values():
+            dp = items[0][1].dp
             device = items[0][0].device if items[0][0].device.type != "meta" else None
             flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32, device=device)
-            if comm.world_size > 1 and flags.numel():
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+            for comm in (dp.shard, dp.replicate):
+                if comm is not None and comm.world_size > 1 and flags.numel():
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
             got = flags.tolist()
             k = 0
             for g, r in items:

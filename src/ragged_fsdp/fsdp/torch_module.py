@@ -54,12 +54,6 @@ class TorchFSDPBase(_TorchFSDPModule):
         """Deprecated alias of :meth:`set_gradient_divide_factor` (as in torch)."""
         self.set_gradient_divide_factor(factor)
 
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """Accepted: HSDP's replicate all-reduce does not exist on ragged_fsdp's 1-D meshes,
-        so there is nothing to skip (``set_requires_gradient_sync`` controls the reduction)."""
-        if not isinstance(requires_all_reduce, bool):
-            raise TypeError(f"set_requires_all_reduce: expected a bool, got {requires_all_reduce!r}")
-
     def reset_iter_state(self) -> None:
         """After an exception aborted forward/backward: wait for reductions in flight, free
         unsharded parameters and clear the per-iteration trackers of every group under

@@ -52,6 +52,7 @@ class FusedExperts(nn.Module):
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
+        self.n_experts = n
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
@@ -64,6 +65,38 @@ class FusedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]), self.w2[e])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, ep_mesh=None) -> torch.Tensor:
+        """The routed experts' weighted sum for tokens ``x`` (top-k ``weights``/``chosen``).
+        The weights are read only in here, so ``fully_shard(experts)`` (its own group, as
+        torchtitan wraps its grouped experts) gathers them around this call."""
+        if ep_mesh is not None:
+            return self._expert_parallel(x, weights, chosen, ep_mesh)
+        return combine_experts(self.expert, self.n_experts, x, weights, chosen)
+
+    def _expert_parallel(self, x, weights, chosen, ep) -> torch.Tensor:
+        # a DTensor Shard(0) on the ep mesh (or FSDP's unsharded parameter, which is one too):
+        # its local tensor holds this rank's experts
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3)]
+        want = self.n_experts // ep.size()
+        if local[0].shape[0] != want:
+            raise RuntimeError(
+                f"MoELayer: expert weights hold {local[0].shape[0]} local experts, expected "
+                f"n_experts / ep size = {want}; were they resharded after apply_expert_parallel?")
+        return expert_parallel_experts(x, weights, chosen, *local, n_experts=self.n_experts,
+                                       group=ep.get_group(), ep_size=ep.size())
+
+
+def combine_experts(expert, n_experts: int, x, weights, chosen) -> torch.Tensor:
+    """Run each expert on the tokens that chose it and add the weighted results."""
+    out = torch.zeros_like(x)
+    for e in range(n_experts):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue  # unused this step: its weights get no gradient
+        y = expert(e, x[rows]) * weights[rows, slot].unsqueeze(-1)
+        out = out.index_add(0, rows, y)
+    return out
 
 
 class MoELayer(nn.Module):
@@ -94,33 +127,13 @@ class MoELayer(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
         weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
-        if self.ep_mesh is not None:
-            out = self._expert_parallel(x, weights, chosen)
+        if isinstance(self.experts, FusedExperts):
+            out = self.experts(x, weights, chosen, self.ep_mesh)
         else:
-            out = torch.zeros_like(x)
-            for e in range(self.n_experts):
-                rows, slot = (chosen == e).nonzero(as_tuple=True)
-                if rows.numel() == 0:
-                    continue  # unused this step: its weights get no gradient
-                y = self._expert(e, x[rows]) * weights[rows, slot].unsqueeze(-1)
-                out = out.index_add(0, rows, y)
+            out = combine_experts(self._expert, self.n_experts, x, weights, chosen)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)
-
-    def _expert_parallel(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        ep = self.ep_mesh
-        # a DTensor Shard(0) on the ep mesh (or FSDP's unsharded parameter, which is one too):
-        # its local tensor holds this rank's experts
-        local = [w.to_local() if isinstance(w, DTensor) else w
-                 for w in (self.experts.w1, self.experts.w2, self.experts.w3)]
-        want = self.n_experts // ep.size()
-        if local[0].shape[0] != want:
-            raise RuntimeError(
-                f"MoELayer: expert weights hold {local[0].shape[0]} local experts, expected "
-                f"n_experts / ep size = {want}; were they resharded after apply_expert_parallel?")
-        return expert_parallel_experts(x, weights, chosen, *local, n_experts=self.n_experts,
-                                       group=ep.get_group(), ep_size=ep.size())
 
 
 class MoE(Llama):

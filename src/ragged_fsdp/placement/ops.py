@@ -338,9 +338,13 @@ def _foreach_norm(args, kwargs):
     for i, t in enumerate(tensors):
         by_group.setdefault((tuple(id(g) for g in _groups(t)), t._local_tensor.dtype), []).append(i)
     result = [None] * len(tensors)
+    # Tensors on several meshes (TP/EP parameters beside plain ones): a Replicate DTensor per
+    # mesh could not be stacked (clip_grad_norm_ does), so hand back plain tensors holding
+    # the same global norms on every rank.
+    mixed = len({id(t._spec.mesh) for t in ragged}) > 1
     for idx in by_group.values():
         vals = _norms([tensors[i]._local_tensor for i in idx], ord_, _groups(tensors[idx[0]]), dtype)
         for i, v in zip(idx, vals):
-            result[i] = _replicated(v, tensors[i])
+            result[i] = v if mixed else _replicated(v, tensors[i])
     out.extend(result)
     return out

@@ -1,0 +1,199 @@
+"""Which ranks a parameter is sharded and replicated over, and the DTensor it becomes.
+
+A :class:`DPMesh` is the data-parallel part of a mesh: the dim the RaggedShard splits
+(``shard``) and, for HSDP, the dim the sharded segments are replicated over
+(``replicate``). A :class:`ParamPlacement` says, for one parameter, what data the planner
+packs (the TP/EP-local tensor when the parameter is already a DTensor), the mesh and
+placements of its sharded DTensor (the RaggedShard slot left as None) and the DTensor spec
+its unsharded parameter has (None for a plain tensor).
+
+The three ways a mesh reaches ``fully_shard``, as with torch's FSDP2:
+
+* ``mesh`` 1-D: FSDP; 2-D: HSDP, dims (replicate, shard);
+* a parameter that is a DTensor of TP/EP on another mesh of the same root mesh: the
+  sharded parameter lives on the two meshes concatenated, (dp dims..., its dims...);
+* ``dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)`` with ``mesh`` the full SPMD
+  mesh: every parameter is a DTensor on that mesh, Replicate on the named dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from .collectives import Comm
+
+__all__ = ["DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh"]
+
+
+@dataclass(eq=False)
+class DPMesh:
+    mesh: DeviceMesh  # the data-parallel mesh: (shard,) or (replicate, shard)
+    shard: Comm
+    replicate: Comm | None = None
+    spmd_mesh: DeviceMesh | None = None  # dp_mesh_dims: the full mesh parameters live on
+    shard_index: int | None = None  # dp_mesh_dims: the shard dim's index in spmd_mesh
+    replicate_index: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Data-parallel ranks a gradient is averaged over (shard x replicate)."""
+        return self.shard.world_size * (self.replicate.world_size if self.replicate else 1)
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[1]]
+
+    def dp_placements(self) -> tuple:
+        """Placements of the dp dims, the RaggedShard slot as None."""
+        return (None,) if self.replicate is None else (Replicate(), None)
+
+
+def _comm(mesh: DeviceMesh, dim: int) -> Comm:
+    return Comm.of(mesh.get_group(dim))
+
+
+def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims=None) -> DPMesh:
+    if dp_mesh_dims is None:
+        if mesh.ndim == 1:
+            return DPMesh(mesh, _comm(mesh, 0))
+        if mesh.ndim == 2:
+            return DPMesh(mesh, _comm(mesh, 1), _comm(mesh, 0))
+        raise ValueError(
+            f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (FSDP), "
+            "a 2-D (replicate, shard) mesh (HSDP), or the full SPMD mesh with dp_mesh_dims="
+        )
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError("fully_shard: dp_mesh_dims needs a mesh with mesh_dim_names")
+    shard, rep = tuple(dp_mesh_dims.shard_names), tuple(dp_mesh_dims.replicate_names)
+    if len(shard) != 1 or len(rep) > 1:
+        raise NotImplementedError(
+            f"fully_shard: dp_mesh_dims={dp_mesh_dims} names {len(shard)} shard and {len(rep)} "
+            "replicate dims; ragged_fsdp takes exactly one shard dim and at most one replicate "
+            "dim (flatten several into one mesh dim when you build the mesh)"
+        )
+    for n in shard + rep:
+        if n not in names:
+            raise ValueError(f"fully_shard: dp_mesh_dims names {n!r}, which is not a dim of the mesh {names}")
+    s = names.index(shard[0])
+    r = names.index(rep[0]) if rep else None
+    dp = mesh[(rep[0], shard[0])] if rep else mesh[shard[0]]
+    return DPMesh(dp, _comm(mesh, s), _comm(mesh, r) if rep else None, spmd_mesh=mesh,
+                  shard_index=s, replicate_index=r)
+
+
+def shard_placement_mesh(result, default: DPMesh, cache: dict) -> DPMesh:
+    """The DPMesh a ``shard_placement_fn`` result asks for. A ``Shard(dim)`` or None keeps
+    the default (the planner decides the layout; FSDP2's dim choice is about padding, which
+    RaggedShard does not need); torch's ``ShardPlacementResult`` may name another mesh."""
+    if result is None or isinstance(result, Shard):
+        return default
+    info = getattr(result, "mesh_info", None)
+    if info is None or not hasattr(info, "mesh"):
+        raise TypeError(
+            f"fully_shard: shard_placement_fn returned {result!r}; expected None, a Shard or "
+            "torch's ShardPlacementResult(placement, mesh_info)"
+        )
+    mesh = info.mesh
+    key = id(mesh)
+    if key not in cache:
+        rep = getattr(info, "replicate_mesh_dim", None)
+        if getattr(info, "dp_mesh_dims", None) is not None:
+            cache[key] = dp_mesh_of(info.spmd_mesh, info.dp_mesh_dims)
+        elif rep is None:
+            cache[key] = DPMesh(mesh, _comm(mesh, info.shard_mesh_dim))
+        else:
+            cache[key] = DPMesh(mesh, _comm(mesh, info.shard_mesh_dim), _comm(mesh, rep))
+    return cache[key]
+
+
+@dataclass
+class ParamPlacement:
+    data: torch.Tensor  # what the planner packs: the parameter, or its TP/EP-local tensor
+    dp: DPMesh
+    mesh: DeviceMesh  # the sharded DTensor's mesh
+    placements: tuple  # its placements, None where the RaggedShard goes
+    unsharded_spec: DTensorSpec | None  # the unsharded parameter's DTensor spec, or None
+
+    def with_ragged(self, ragged) -> tuple:
+        return tuple(ragged if p is None else p for p in self.placements)
+
+
+def _check_dtensor_placements(fqn: str, p: DTensor) -> None:
+    for i, q in enumerate(p.placements):
+        if isinstance(q, Replicate) or type(q) is Shard:
+            continue
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} is a DTensor with placements {tuple(p.placements)} on "
+            f"mesh {p.device_mesh.mesh_dim_names or tuple(p.device_mesh.shape)}; next to the "
+            f"data-parallel RaggedShard only Replicate() and even Shard(k) placements are supported "
+            f"({q} on mesh dim {i} is not: reduce a Partial, or use Shard instead of _StridedShard)"
+        )
+    shape = list(p.shape)
+    for i, q in enumerate(p.placements):
+        if type(q) is Shard:
+            n = p.device_mesh.size(i)
+            if shape[q.dim] % n:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is split by {q} over "
+                    f"{n} ranks unevenly; fully_shard composes with even TP/EP splits (pick sizes "
+                    "the TP/EP degree divides)"
+                )
+            shape[q.dim] //= n
+
+
+def _concatenate(dp_mesh: DeviceMesh, other: DeviceMesh, fqn: str, p: DTensor) -> DeviceMesh:
+    concat = getattr(DeviceMesh, "_concatenate", None)
+    if concat is None:
+        raise NotImplementedError("fully_shard: this torch has no DeviceMesh._concatenate; TP/EP composition needs torch >= 2.11")
+    if dp_mesh.mesh_dim_names is None or other.mesh_dim_names is None:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tuple(other.shape)}; composing "
+            "with TP/EP needs named meshes sliced from one root mesh: build it with "
+            "init_device_mesh(..., mesh_dim_names=(...)) and pass mesh['dp'] and mesh['tp']"
+        )
+    try:
+        return concat([dp_mesh, other])
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError/ValueError/AssertionError
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is a DTensor on mesh {other.mesh_dim_names} with "
+            f"placements {tuple(p.placements)}, which does not compose with the data-parallel mesh "
+            f"{dp_mesh.mesh_dim_names} ({e}). Slice both from the same root mesh, e.g. "
+            "mesh = init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp')); "
+            "parallelize_module(model, mesh['tp'], plan); fully_shard(block, mesh=mesh['dp'])"
+        ) from None
+
+
+def place_param(fqn: str, p: nn.Parameter, dp: DPMesh) -> ParamPlacement:
+    if dp.spmd_mesh is not None:  # dp_mesh_dims: DTensors on the full mesh
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the full mesh "
+                f"(e.g. via distribute_module); {fqn!r} is a plain tensor"
+            )
+        if p.device_mesh != dp.spmd_mesh:
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} lives on mesh {p.device_mesh.mesh_dim_names}, not on "
+                f"the mesh passed with dp_mesh_dims ({dp.spmd_mesh.mesh_dim_names})"
+            )
+        for i in (dp.shard_index, dp.replicate_index):
+            if i is not None and not isinstance(p.placements[i], Replicate):
+                raise ValueError(
+                    f"fully_shard: parameter {fqn!r} has {p.placements[i]} on the data-parallel dim "
+                    f"{dp.spmd_mesh.mesh_dim_names[i]!r}; it must be Replicate() there"
+                )
+        _check_dtensor_placements(fqn, p)
+        placements = tuple(None if i == dp.shard_index else q for i, q in enumerate(p.placements))
+        return ParamPlacement(p._local_tensor, dp, dp.spmd_mesh, placements, p._spec)
+    if isinstance(p, DTensor):
+        _check_dtensor_placements(fqn, p)
+        mesh = _concatenate(dp.mesh, p.device_mesh, fqn, p)
+        placements = dp.dp_placements() + tuple(p.placements)
+        return ParamPlacement(p._local_tensor, dp, mesh, placements, p._spec)
+    return ParamPlacement(p, dp, dp.mesh, dp.dp_placements(), None)
