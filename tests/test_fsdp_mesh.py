@@ -191,7 +191,101 @@ def case_errors(rank, world):
         fully_shard(torch.nn.Linear(2, 2), mesh=init_device_mesh("cpu", (2, 2)))
 
 
+def case_hsdp_bf16_against_fsdp2(rank, world):
+    """bf16 parameters, fp32 reduction, HSDP 2x2: ragged_fsdp and torch's FSDP2 on the same
+    model and batches. Different reduction orders make them differ by bf16 rounding only."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from _dist import full, global_batch
+
+    mesh = _hsdp_mesh()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        m = hf_llama()
+        for layer in m.model.layers:
+            shard(layer, mesh=mesh, mp_policy=mp)
+        shard(m, mesh=mesh, mp_policy=mp)
+        models.append(m)
+    start = {k: full(v).detach().clone() for k, v in models[0].named_parameters()}
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    for step in range(2):
+        tokens, targets = global_batch(step, 2 * world, 8, 96)
+        t, y = tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]
+        losses = []
+        for m, opt in zip(models, opts):
+            loss = hf_loss(m, t, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-2 * abs(losses[1]), (step, losses)
+    ours = {k: full(v).detach() for k, v in models[0].named_parameters()}
+    theirs = {k: full(v).detach() for k, v in models[1].named_parameters()}
+    num = sum(((ours[k] - start[k]) - (theirs[k] - start[k])).norm() ** 2 for k in start) ** 0.5
+    den = sum((theirs[k] - start[k]).norm() ** 2 for k in start) ** 0.5
+    assert num / den <= 0.10, f"update differs from FSDP2's by {num / den:.3f} relative"
+
+
+class _SpmdMLP(torch.nn.Module):
+    """Two linears written against DTensors on the full (dp, tp) mesh (torchtitan's
+    full-DTensor style): batch sharded over dp, weights colwise / rowwise over tp."""
+
+    def __init__(self, mesh=None):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(8, 6) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(6, 8) * 0.3)
+        self.mesh = mesh
+
+    def forward(self, x):
+        if self.mesh is None:
+            return torch.relu(x @ self.w1.t()) @ self.w2.t()
+        xd = DTensor.from_local(x, self.mesh, [Shard(0), Replicate()])
+        out = torch.relu(xd @ self.w1.t()) @ self.w2.t()
+        return out.redistribute(self.mesh, [Shard(0), Replicate()]).to_local()
+
+
+def case_dp_mesh_dims_spmd(rank, world):
+    """dp_mesh_dims=DataParallelMeshDims(shard='dp') on the full (dp, tp) mesh; parameters
+    are DTensors on it, Replicate on dp. Gradients and AdamW steps match one process."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import distribute_tensor
+
+    from _dist import full
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = _SpmdMLP()
+    torch.manual_seed(0)
+    model = _SpmdMLP(mesh)
+    model.w1 = torch.nn.Parameter(distribute_tensor(model.w1.detach(), mesh, [Replicate(), Shard(0)]))
+    model.w2 = torch.nn.Parameter(distribute_tensor(model.w2.detach(), mesh, [Replicate(), Shard(1)]))
+    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    assert isinstance(model.w1.placements[0], RaggedShard) and model.w1.placements[1] == Shard(0)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    dp = mesh.get_coordinate()[0]
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 6, generator=g)
+        ref_loss = ref(x).pow(2).mean()
+        ref_loss.backward()
+        loss = model(x[2 * dp:2 * dp + 2]).pow(2).mean()
+        loss.backward()
+        if step == 0:
+            for name in ("w1", "w2"):
+                a, b = full(getattr(model, name).grad), getattr(ref, name).grad
+                assert (a - b).norm() <= 1e-4 * b.norm(), (name, a, b)
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for name in ("w1", "w2"):
+        assert (full(getattr(model, name)).detach() - getattr(ref, name).detach()).abs().max() <= 5e-4, name
+
+
 CASES = [
+    case_hsdp_bf16_against_fsdp2, case_dp_mesh_dims_spmd,
     case_hsdp_llama, case_hsdp_moe_tied, case_hsdp_accumulation_skips_all_reduce, case_tp_llama,
     case_ep_moe_two_meshes, case_ep_moe_shard_placement_fn, case_errors,
 ]

@@ -120,6 +120,7 @@ class ParamPlacement:
     mesh: DeviceMesh  # the sharded DTensor's mesh
     placements: tuple  # its placements, None where the RaggedShard goes
     unsharded_spec: DTensorSpec | None  # the unsharded parameter's DTensor spec, or None
+    dp_dims: tuple[int, ...] = ()  # dp_mesh_dims: dims of unsharded_spec's mesh that are data-parallel
 
     def with_ragged(self, ragged) -> tuple:
         return tuple(ragged if p is None else p for p in self.placements)
@@ -190,7 +191,8 @@ def place_param(fqn: str, p: nn.Parameter, dp: DPMesh) -> ParamPlacement:
                 )
         _check_dtensor_placements(fqn, p)
         placements = tuple(None if i == dp.shard_index else q for i, q in enumerate(p.placements))
-        return ParamPlacement(p._local_tensor, dp, dp.spmd_mesh, placements, p._spec)
+        dp_dims = tuple(i for i in (dp.shard_index, dp.replicate_index) if i is not None)
+        return ParamPlacement(p._local_tensor, dp, dp.spmd_mesh, placements, p._spec, dp_dims)
     if isinstance(p, DTensor):
         _check_dtensor_placements(fqn, p)
         mesh = _concatenate(dp.mesh, p.device_mesh, fqn, p)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.autograd.profiler import record_function
@@ -78,6 +79,7 @@ class ParamInfo:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     unsharded_spec: Any = None  # DTensorSpec of a TP/EP parameter's unsharded DTensor, or None
+    dp_dims: tuple[int, ...] = ()  # dims of that spec's mesh that are data-parallel (dp_mesh_dims)
 
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.owners:
@@ -138,13 +140,15 @@ class _Backward:
     reduced: list[_Reduction] = field(default_factory=list)  # reductions issued in it
 
 
-def _local_grad(g: DTensor, spec) -> torch.Tensor:
+def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor:
     """A TP/EP parameter's DTensor gradient as a local tensor in the parameter's own
     placements (a Partial gradient, e.g. of a norm weight under SequenceParallel, is summed
-    over its TP ranks first, as torch's FSDP2 does)."""
+    over its TP ranks first, as torch's FSDP2 does). Data-parallel dims are left as they
+    are: a Partial there is exactly what the reduction sums."""
     with torch.no_grad():
-        if tuple(g.placements) != tuple(spec.placements):
-            g = g.redistribute(g.device_mesh, spec.placements)
+        want = tuple(g.placements[i] if i in dp_dims else p for i, p in enumerate(spec.placements))
+        if tuple(g.placements) != want:
+            g = g.redistribute(g.device_mesh, want)
         local = g.to_local()
         if type(local).__name__ == "AsyncCollectiveTensor":
             local = local.wait()
@@ -270,7 +274,7 @@ class ParamGroup:
                 s = buf.slots[j]
                 sharded = make_sharded_param(buf.sharded_view(j), pl.mesh, pl.with_ragged(s.placement),
                                              tuple(p.shape), p.requires_grad)
-                info = ParamInfo(name, b, j, owners, sharded, unsharded_spec=pl.unsharded_spec)
+                info = ParamInfo(name, b, j, owners, sharded, unsharded_spec=pl.unsharded_spec, dp_dims=pl.dp_dims)
                 info.register(sharded)
                 self.infos.append(info)
 
@@ -343,6 +347,11 @@ class ParamGroup:
     @property
     def is_unsharded(self) -> bool:
         return self.sharded_state is ShardedState.UNSHARDED
+
+    @property
+    def holds_unsharded(self) -> bool:
+        """Unsharded parameters exist or an all-gather filling them is in flight."""
+        return self.is_unsharded or self._gathering is not None
 
     def _to_gather(self) -> list[int]:
         if self.sharded_state is ShardedState.UNSHARDED:
@@ -591,7 +600,7 @@ class ParamGroup:
         g = p.grad
         p.grad = None
         if isinstance(g, DTensor):
-            g = _local_grad(g, info.unsharded_spec)
+            g = _local_grad(g, info.unsharded_spec, info.dp_dims)
         with torch.no_grad():
             alias.add_(g.reshape(alias.shape).to(alias.dtype))
         if info.unsharded_spec is None:
@@ -820,3 +829,28 @@ class ParamGroup:
             new_locals.append(local.detach())
         if changed:
             self.adopt_locals(new_locals)
+
+
+def hand_out_grads(groups: list[ParamGroup]) -> None:
+    """End of a backward, after every reduction finished: one all-reduce of the 'got a
+    gradient' flags of every reduced tensor per data-parallel mesh (over its shard dim, and
+    its replicate dim under HSDP), then each group points its sharded grads into the
+    reduced segments. Collectives run in group order, the same on every rank."""
+    by_dp: dict[int, list] = {}
+    for g in groups:
+        for r in g.bwd.reduced:
+            by_dp.setdefault(id(r.dp), []).append((g, r))
+    for items in by_dp.values():
+        dp = items[0][1].dp
+        g0 = items[0][0]
+        device = g0.device if g0.device.type != "meta" else None
+        flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32, device=device)
+        for comm in (dp.shard, dp.replicate):
+            if comm is not None and comm.world_size > 1 and flags.numel():
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+        got = flags.tolist()
+        k = 0
+        for g, r in items:
+            n = len(r.touched)
+            g.assign_grads(r, [bool(x) for x in got[k:k + n]])
+            k += n

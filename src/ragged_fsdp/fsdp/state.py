@@ -23,13 +23,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
 from .hooks import grad_tensors, in_backward
-from .param_group import ParamGroup, TrainingState
+from .param_group import ParamGroup, TrainingState, hand_out_grads
 from .saved import eager as _eager
 
 __all__ = ["FSDPState", "RootContext"]
@@ -94,7 +93,7 @@ class FSDPState:
                 "fully_shard: the first module to run forward must be a single wrapped root module, "
                 f"but it is a list group of {len(self.modules)} modules"
             )
-        from .api import state_of
+        from .init import state_of
 
         self.is_root = True
         root = self.modules[0]
@@ -187,7 +186,7 @@ class FSDPState:
         ran = {id(g) for g in ctx.forward_order}
         for st in ctx.all_states:  # prefetched groups that did not run: free them
             g = st.group
-            if g is not None and id(g) not in ran and (g.is_unsharded or g._gathering is not None):
+            if g is not None and id(g) not in ran and g.holds_unsharded:
                 if st.training_state is TrainingState.IDLE:
                     g.reshard()
         ctx.end_forward()
@@ -227,7 +226,7 @@ class FSDPState:
                 if st.group is not None:
                     st.group.end_backward()
             ctx.retire_reductions(keep=0)
-            self._hand_out_grads(states)
+            hand_out_grads([st.group for st in states if st.group is not None])
         finally:
             for st in states:
                 st.training_state = TrainingState.IDLE
@@ -235,30 +234,6 @@ class FSDPState:
                     st.group.finish_backward()
             ctx.post_forward_order.clear()
             ctx.callback_queued = False
-
-    def _hand_out_grads(self, states: list[FSDPState]) -> None:
-        """One all-reduce of the 'got a gradient' flags of every reduced tensor per data-
-        parallel mesh (over its shard dim, and its replicate dim under HSDP), then the
-        sharded grads become views into the reduced segments."""
-        reds = [(st.group, r) for st in states if st.group is not None for r in st.group.bwd.reduced]
-        if not reds:
-            return
-        by_dp: dict[int, list] = {}  # in a fixed order: every rank issues the same collectives
-        for g, r in reds:
-            by_dp.setdefault(id(r.dp), []).append((g, r))
-        for items in by_dp.values():
-            dp = items[0][1].dp
-            device = items[0][0].device if items[0][0].device.type != "meta" else None
-            flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32, device=device)
-            for comm in (dp.shard, dp.replicate):
-                if comm is not None and comm.world_size > 1 and flags.numel():
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
-            got = flags.tolist()
-            k = 0
-            for g, r in items:
-                n = len(r.touched)
-                g.assign_grads(r, [bool(x) for x in got[k:k + n]])
-                k += n
 
     # -- mixed precision -------------------------------------------------------------------
     def _cast_inputs(self, args, kwargs):
