@@ -276,7 +276,9 @@ def case_errors(rank, world):
         if rank == 1:
             _raises(ValueError, "not in the mesh", lambda: fully_shard(nn.Linear(4, 4), mesh=sub))
         two_d = DeviceMesh("cpu", [[0, 1]])
-        _raises(NotImplementedError, "1-D", lambda: fully_shard(nn.Linear(4, 4), mesh=two_d))
+        _raises(ValueError, "mesh_dim_names", lambda: fully_shard(nn.Linear(4, 4), mesh=two_d))
+        three_d = DeviceMesh("cpu", [[[0, 1]]], mesh_dim_names=("a", "b", "c"))
+        _raises(ValueError, "dp_mesh_dims", lambda: fully_shard(nn.Linear(4, 4), mesh=three_d))
 
     meta = nn.Linear(4, 4, device="meta")
     fully_shard(meta, mesh=mesh)

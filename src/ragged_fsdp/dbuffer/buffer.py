@@ -29,6 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ragged_fsdp.comm import contiguous_stride
+
 from .layout import BufferLayout, TensorSlot
 
 __all__ = ["DBuffer"]
@@ -43,12 +45,7 @@ def _alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tenso
     return out
 
 
-def _stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
+_stride = contiguous_stride
 
 
 class DBuffer:

@@ -17,7 +17,6 @@ Reduce-scatter (the mean over ranks of the unsharded gradient buffer, this rank'
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -28,13 +27,9 @@ from .device import Device, Pending
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce_sum", "backend_of"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def backend_of(group) -> str:
-    b = str(dist.get_backend(group)).lower()
-    return b
+from ragged_fsdp.comm import Comm, backend_of  # noqa: F401 - re-exported for the engine
+from ragged_fsdp.comm import all_gather_single as _all_gather_single
+from ragged_fsdp.comm import reduce_scatter_single as _reduce_scatter_single
 
 
 class _Both:
@@ -47,24 +42,6 @@ class _Both:
         for w in (self.a, self.b):
             if w is not None:
                 w.wait()
-
-
-@dataclass
-class Comm:
-    """The process group of a data-parallel mesh dim and how to talk on it."""
-
-    group: dist.ProcessGroup
-    world_size: int
-    rank: int
-    backend: str
-
-    @classmethod
-    def of(cls, group: dist.ProcessGroup) -> "Comm":
-        return cls(group, dist.get_world_size(group), dist.get_rank(group), backend_of(group))
-
-    @property
-    def gloo(self) -> bool:
-        return "gloo" in self.backend and "nccl" not in self.backend
 
 
 def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,

@@ -634,6 +634,10 @@ class ParamGroup:
         """The group's gradients are complete: reduce them (or keep accumulating)."""
         if self.training_state is TrainingState.POST_BACKWARD:
             return
+        with record_function("ragged_fsdp::post_backward"):
+            self._post_backward()
+
+    def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         self.bwd.deferred_prefetch = None
         for info in self.infos:
@@ -815,8 +819,6 @@ class ParamGroup:
                 new_locals.append(None)
                 continue
             changed = True
-            buf = self.buffers[info.buffer]
-            slot = buf.slots[info.slot]
             if isinstance(cur, RaggedDTensor) and spec_mismatch(cur._spec, info.sharded._spec) is None:
                 local = cur._local_tensor
             else:

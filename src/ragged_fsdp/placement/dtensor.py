@@ -29,6 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ragged_fsdp.comm import contiguous_stride
+
 from .ragged_shard import RaggedShard
 
 __all__ = [
@@ -38,12 +40,7 @@ __all__ = [
 ]
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
+_contiguous_stride = contiguous_stride
 
 
 def ragged_dim(placements: Sequence) -> int:

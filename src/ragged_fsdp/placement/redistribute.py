@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
@@ -21,9 +20,13 @@ from .dtensor import (
     RaggedDTensor, element_ranges, expected_local_shape, has_outer_shards, local_range, make_spec,
     outer_placements, outer_shape, ragged_dim, wrap,
 )
+from ragged_fsdp.comm import all_gather_runs, all_to_all_flat, contiguous_stride, reduce_scatter_runs
+
 from .ragged_shard import RaggedShard
 
 __all__ = ["redistribute", "overlap_splits", "chunk_ranges", "all_gather_flat"]
+
+all_gather_flat = all_gather_runs  # the name callers used before comm.py held it
 
 Ranges = Sequence[tuple[int, int]]
 
@@ -53,51 +56,6 @@ def overlap_splits(src: Ranges, dst: Ranges, rank: int) -> tuple[list[int], list
     send = [ov(src[rank], d) for d in dst]
     recv = [ov(s, dst[rank]) for s in src]
     return send, recv
-
-
-def _all_to_all(flat: torch.Tensor, send, recv, group) -> torch.Tensor:
-    out = flat.new_empty(sum(recv))
-    if dist.get_world_size(group) == 1:
-        out.copy_(flat)
-        return out
-    dist.all_to_all_single(out, flat.contiguous(), recv, send, group=group)
-    return out
-
-
-def all_gather_flat(flat: torch.Tensor, ranges: Ranges, group) -> torch.Tensor:
-    """Gather every rank's contiguous run into the full flat tensor (equal-size padded pieces)."""
-    world = len(ranges)
-    longest = max(b - a for a, b in ranges)
-    if world == 1:
-        return flat.clone()
-    send = flat.new_zeros(longest)
-    send[: flat.numel()] = flat
-    recv = flat.new_empty(world * longest)
-    dist.all_gather_single(recv, send, group=group)
-    pieces = recv.view(world, longest)
-    return torch.cat([pieces[r, : b - a] for r, (a, b) in enumerate(ranges)])
-
-
-def _reduce_scatter_flat(full: torch.Tensor, dst: Ranges, rank: int, group, avg: bool) -> torch.Tensor:
-    """Sum the ranks' full tensors and keep our range: each rank sends each peer only its part."""
-    world = len(dst)
-    n = dst[rank][1] - dst[rank][0]
-    if world == 1:
-        out = full[dst[0][0]: dst[0][1]].clone()
-    elif dist.get_backend(group) == "nccl":
-        longest = max(b - a for a, b in dst)
-        send = full.new_zeros(world, longest)
-        for r, (a, b) in enumerate(dst):
-            send[r, : b - a] = full[a:b]
-        out = full.new_empty(longest)
-        dist.reduce_scatter_single(out, send.view(-1), group=group)
-        out = out[:n]
-    else:
-        # gloo's reduce_scatter is an all-reduce underneath; an all-to-all moves 1/W of it.
-        recv = full.new_empty(world * n)
-        dist.all_to_all_single(recv, full.contiguous(), [n] * world, [b - a for a, b in dst], group=group)
-        out = recv.view(world, n).sum(0)
-    return out / world if avg else out
 
 
 def _ranges_of(placements, shape, mesh_dim_size) -> list[tuple[int, int]] | None:
@@ -174,7 +132,7 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
             avg = src_p.reduce_op == "avg"
             if src_p.reduce_op not in ("sum", "avg"):
                 raise NotImplementedError(f"redistribute: Partial({src_p.reduce_op}) to RaggedShard")
-            out = _reduce_scatter_flat(local.reshape(-1), dst_ranges, rank, group, avg)
+            out = reduce_scatter_runs(local.reshape(-1), dst_ranges, group, avg)
         else:
             src_ranges = _ranges_of((src_p,), shape, world)
             if src_ranges is None:  # e.g. Shard(1): go through the full tensor
@@ -182,7 +140,7 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
                 out = full[a:b].clone()
             else:
                 send, recv = overlap_splits(src_ranges, dst_ranges, rank)
-                out = _all_to_all(local.reshape(-1), send, recv, group)
+                out = all_to_all_flat(local.reshape(-1), send, recv, group)
         return wrap(out.view(local_shape), spec)
 
     # Ragged source to one of torch's placements.
@@ -194,7 +152,7 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     if isinstance(dst_p, Shard) and dst_p.dim == 0 and shape:
         dst_ranges = chunk_ranges(shape, world)
         send, recv = overlap_splits(src_ranges, dst_ranges, rank)
-        out = _all_to_all(local.reshape(-1), send, recv, group)
+        out = all_to_all_flat(local.reshape(-1), send, recv, group)
         rows = (dst_ranges[rank][1] - dst_ranges[rank][0]) // max(1, _inner(shape))
         out = out.view((rows,) + shape[1:])
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(shape),
@@ -230,7 +188,4 @@ def _inner(shape):
     return n
 
 
-def _stride(shape):
-    from .dtensor import _contiguous_stride
-
-    return _contiguous_stride(shape)
+_stride = contiguous_stride

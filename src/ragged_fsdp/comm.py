@@ -1,0 +1,107 @@
+"""The collectives every layer uses, in one place: the process-group handle, the torch
+version seam for collective names, the backend choice, and the flat collectives on
+uneven contiguous runs that the placement needs.
+
+Why a backend choice at all: on gloo, ``reduce_scatter`` is an all-reduce underneath (each
+rank moves the whole buffer twice); an ``all_to_all_single`` moves only the pieces the other
+ranks own, and a local sum finishes it. NCCL has a real reduce-scatter. ``Comm.gloo`` is the
+one test for that, used by the engine (``fsdp/collectives.py``, equal segments of a DBuffer,
+asynchronous, chunked) and by the placement (``reduce_scatter_runs`` below, uneven runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Comm", "backend_of", "all_gather_single", "reduce_scatter_single", "contiguous_stride",
+    "all_gather_runs", "reduce_scatter_runs", "all_to_all_flat",
+]
+
+# torch 2.13 renamed the single-tensor collectives; 2.11 (the GPU image) has the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+Ranges = Sequence[tuple[int, int]]
+
+
+def backend_of(group) -> str:
+    return str(dist.get_backend(group)).lower()
+
+
+@dataclass
+class Comm:
+    """A process group and how to talk on it."""
+
+    group: dist.ProcessGroup
+    world_size: int
+    rank: int
+    backend: str
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> "Comm":
+        return cls(group, dist.get_world_size(group), dist.get_rank(group), backend_of(group))
+
+    @property
+    def gloo(self) -> bool:
+        return "gloo" in self.backend and "nccl" not in self.backend
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (zero-size dims count as 1, as torch does)."""
+    stride, acc = [], 1
+    for s in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(stride))
+
+
+def all_to_all_flat(flat: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:
+    """Send ``send[r]`` consecutive elements of ``flat`` to rank ``r``; receive ``recv[r]``."""
+    out = flat.new_empty(sum(recv))
+    if dist.get_world_size(group) == 1:
+        out.copy_(flat)
+        return out
+    dist.all_to_all_single(out, flat.contiguous(), list(recv), list(send), group=group)
+    return out
+
+
+def all_gather_runs(flat: torch.Tensor, ranges: Ranges, group) -> torch.Tensor:
+    """Every rank's contiguous run ``ranges[r]`` gathered into the whole flat tensor (one
+    all-gather of equal-size padded pieces: gloo and NCCL need equal sizes)."""
+    world = len(ranges)
+    if world == 1:
+        return flat.clone()
+    longest = max(b - a for a, b in ranges)
+    send = flat.new_zeros(longest)
+    send[: flat.numel()] = flat
+    recv = flat.new_empty(world * longest)
+    all_gather_single(recv, send, group=group)
+    pieces = recv.view(world, longest)
+    return torch.cat([pieces[r, : b - a] for r, (a, b) in enumerate(ranges)])
+
+
+def reduce_scatter_runs(full: torch.Tensor, ranges: Ranges, group, avg: bool) -> torch.Tensor:
+    """The sum (or mean) over ranks of ``full`` (flat), this rank's run ``ranges[rank]`` of it."""
+    comm = Comm.of(group)
+    world, rank = comm.world_size, comm.rank
+    n = ranges[rank][1] - ranges[rank][0]
+    if world == 1:
+        out = full[ranges[0][0]: ranges[0][1]].clone()
+    elif comm.gloo:
+        recv = full.new_empty(world * n)
+        dist.all_to_all_single(recv, full.contiguous(), [n] * world, [b - a for a, b in ranges], group=group)
+        out = recv.view(world, n).sum(0)
+    else:
+        longest = max(b - a for a, b in ranges)
+        send = full.new_zeros(world, longest)
+        for r, (a, b) in enumerate(ranges):
+            send[r, : b - a] = full[a:b]
+        out = full.new_empty(longest)
+        reduce_scatter_single(out, send.view(-1), group=group)
+        out = out[:n]
+    return out / world if avg else out
