@@ -709,6 +709,23 @@ class ParamGroup:
         instead and the sharded grads stay as they are, until a reduction that all-reduces
         (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
         buf, dp = self.buffers[b], self.buffer_dp[b]
+        earlier = self._partial.get(b)
+        had, existing = self._existing_grads(b)
+        if self.requires_all_reduce and earlier is None and not existing and grad.dtype == buf.dtype:
+            # the common case: reduce over shard straight into the new sharded gradient
+            # segment, all-reduce it in place, divide (no second segment, no copy)
+            target = buf.new_sharded_grad()
+            factor = float(self.gradient_divide_factor or dp.size)
+            first = reduce_scatter(self.dev, dp.shard, grad, target, False, 1.0)
+
+            def finish_in_place():
+                all_reduce_sum(dp.replicate, target)
+                target.mul_(1.0 / factor)
+
+            red = _Reduction(b, _ThenAllReduce(first, finish_in_place), target, touched, had, dp)
+            self.bwd.reduced.append(red)
+            self.ctx.in_flight.append(red)
+            return
         partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
         first = reduce_scatter(self.dev, dp.shard, grad, partial, False, 1.0)
         earlier = self._partial.pop(b, None)
@@ -724,7 +741,6 @@ class ParamGroup:
 
             self.ctx.in_flight.append(_Reduction(b, _ThenAllReduce(first, keep), partial, touched, [], dp))
             return
-        had, existing = self._existing_grads(b)
         target = self._accumulation_target(b, existing) if existing else buf.new_sharded_grad()
         factor = float(self.gradient_divide_factor or dp.size)
 
