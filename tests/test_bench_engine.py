@@ -103,3 +103,15 @@ def test_sent_bytes_rules():
     assert sent_bytes("all_reduce", (x,), {}, 4, 1) == 48
     assert sent_bytes("all_reduce", (x.bfloat16(),), {}, 4, 1) == 24
     assert sent_bytes("all_reduce", (x,), {}, 1, 0) == 0  # a group of one sends nothing
+
+
+def test_sent_bytes_rooted_rules():
+    """Rooted collectives and point-to-point, with group ranks as the root (no process group
+    needed): the root of a broadcast / scatter sends, every other rank of a reduce / gather."""
+    x = torch.zeros(12)
+    assert sent_bytes("broadcast", (x,), {"group_src": 1}, 4, 1) == 48
+    assert sent_bytes("broadcast", (x,), {"group_src": 0}, 4, 1) == 0
+    assert sent_bytes("reduce", (x,), {"group_dst": 0}, 4, 1) == 48
+    assert sent_bytes("gather", (x,), {"group_dst": 1}, 4, 1) == 0
+    assert sent_bytes("scatter", (x, [x] * 4), {"group_src": 1}, 4, 1) == 3 * 48
+    assert sent_bytes("send", (x, 0), {}, 4, 1) == 48 and sent_bytes("recv", (x, 0), {}, 4, 1) == 0

@@ -14,7 +14,9 @@ ranks of the group, each element counted once, however the backend routes it):
 * reduce-scatter: the input minus this rank's own piece ((W-1)/W of it);
 * all-to-all: the input splits addressed to other ranks (its own split excluded);
 * all-reduce: the buffer;
-* broadcast: the tensor on the source rank, 0 elsewhere;
+* broadcast: the tensor on the source rank, 0 elsewhere; reduce and gather: the tensor on
+  every rank but the destination; scatter: the pieces for other ranks, on the source;
+* send / isend: the tensor; recv / irecv: 0; ``batch_isend_irecv``: its sends;
 * barrier and the ``*_object`` calls: counted as calls, 0 bytes (no step calls them).
 
 Pure rules (``sent_bytes``) are apart from the patching (``CommCounter``).
@@ -87,16 +89,35 @@ def sent_bytes(name: str, args: tuple, kwargs: dict, world: int, rank: int) -> i
         return _nbytes(_arg(args, kwargs, 0, "tensor"))
     if name == "all_reduce_coalesced":
         return sum(_nbytes(t) for t in _arg(args, kwargs, 0, "tensors"))
-    if name == "broadcast":
-        src = _arg(args, kwargs, 1, "src")
-        group = _arg(args, kwargs, 2, "group")
-        return _nbytes(_arg(args, kwargs, 0, "tensor")) if src == dist.get_global_rank(group or c10d._get_default_group(), rank) else 0
+    if name in ("send", "isend"):
+        return _nbytes(_arg(args, kwargs, 0, "tensor"))
+    if name == "batch_isend_irecv":
+        ops = _arg(args, kwargs, 0, "p2p_op_list")
+        return sum(_nbytes(p.tensor) for p in ops if getattr(p.op, "__name__", "") == "isend")
+    if name in ("broadcast", "reduce", "gather", "scatter"):
+        # the root is a global rank (``src`` / ``dst``) or a group rank (``group_src`` / ``group_dst``)
+        pos = {"broadcast": (1, "src"), "reduce": (1, "dst"), "gather": (2, "dst"), "scatter": (2, "src")}[name]
+        root_group = kwargs.get("group_src", kwargs.get("group_dst"))
+        if root_group is None:
+            group = _group_of(name, args, kwargs) or c10d._get_default_group()
+            root = _arg(args, kwargs, *pos)
+            me_root = root == dist.get_global_rank(group, rank)
+        else:
+            me_root = root_group == rank
+        t = _nbytes(_arg(args, kwargs, 0, "tensor"))
+        if name == "broadcast":
+            return t if me_root else 0
+        if name == "scatter":
+            pieces = _arg(args, kwargs, 1, "scatter_list") or []
+            return sum(_nbytes(x) for k, x in enumerate(pieces) if k != rank) if me_root else 0
+        return 0 if me_root else t
     return 0
 
 
 def _group_of(name: str, args, kwargs):
     """The process group argument of a collective call (None: the default group)."""
-    pos = {"all_reduce": 2, "broadcast": 2, "all_reduce_coalesced": 2, "barrier": 0}.get(name)
+    pos = {"all_reduce": 2, "broadcast": 2, "all_reduce_coalesced": 2, "barrier": 0, "reduce": 3, "gather": 3,
+           "scatter": 3, "send": 2, "isend": 2, "recv": 2, "irecv": 2}.get(name)
     if "group" in kwargs:
         return kwargs["group"]
     if pos is None:
@@ -159,7 +180,10 @@ class CommCounter:
             for attr, val in items:
                 w = wrappers.get(id(val))
                 if w is not None and val is originals[id(val)][1]:
-                    setattr(mod, attr, w)
+                    try:
+                        setattr(mod, attr, w)
+                    except (AttributeError, TypeError):  # a read-only namespace: CommDebugMode's count shows a miss
+                        continue
                     self._patched.append((mod, attr, val))
         return self
 

@@ -505,7 +505,8 @@ def add_parser(sub) -> None:
                    help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
     p.add_argument("--quick", action="store_true", help="tiny models, one round of one step (a smoke test)")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", default=None, help=f"JSON (default {d.out}; with --mesh RxS: out/bench_engine_meshRxS.json)")
+    p.add_argument("--out", default=None,
+                   help=f"JSON (default {d.out}; with --mesh RxS: out/bench_engine_meshRxS.json)")
     p.add_argument("--png", default=None, help=f"PNG (default {d.png}; with --mesh, beside the JSON)")
 
 
