@@ -14,6 +14,13 @@ written by copy/cast ops in one step beyond what the local model copies.
 
     python -m ragged_fsdp bench [--world 2,4] [--rounds 7] [--steps 3] [--png out/bench_engine.png]
     python -m ragged_fsdp bench --quick      # tiny models, one round: checks it runs end to end
+    python -m ragged_fsdp bench --world 4 --mesh 2x2   # HSDP against FSDP2's HSDP
+
+With ``--mesh RxS`` both ragged_fsdp and FSDP2 shard over S ranks and replicate over R
+(``init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))``, the same
+``fully_shard(block, mesh=mesh)`` calls); FSDP1 and DDP take no 2-D mesh and are left out.
+Every launch also counts, for ragged_fsdp and FSDP2, the bytes each rank sends in one step by
+collective kind (``comm_bytes``: the counting rule is there).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
+MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
+COUNTED = ("ragged_fsdp", "fsdp2")  # frameworks whose collectives are counted (Python calls)
 WORKLOADS = ("dense", "moe", "dense-1024")
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
 
@@ -50,6 +59,7 @@ class BenchConfig:
     seq_len: int = 128
     profile: bool = False
     quick: bool = False  # tiny models, for tests
+    mesh: tuple[int, int] | None = None  # (replicate, shard): HSDP on both frameworks
     out: str = "out/bench_engine.json"
     png: str | None = "out/bench_engine.png"
 
@@ -160,7 +170,10 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=cfg.world, timeout=datetime.timedelta(seconds=300))
-    mesh = init_device_mesh("cpu", (cfg.world,))
+    if cfg.mesh:
+        mesh = init_device_mesh("cpu", tuple(cfg.mesh), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (cfg.world,))
     report = {}
     variants = tuple(cfg.frameworks)
     for kind in cfg.models:
@@ -220,6 +233,9 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
             with CopyCounter() as c:
                 runs[v]()
             res["copy_bytes"][v] = dict(c.by_op)
+        res["comm"] = {v: count_comm(runs[v], mesh) for v in variants if v in COUNTED}
+        if "ragged_fsdp" in res["comm"]:
+            res["comm"]["ragged_fsdp"]["hsdp_segment_bytes"] = hsdp_segment_bytes(passes["ragged_fsdp"][0])
         if cfg.profile and rank == 0:
             res["profile"] = {v: _profile(runs[v]) for v in ("ragged_fsdp", "fsdp2") if v in variants}
         elif cfg.profile:
@@ -254,6 +270,67 @@ def _peak_composition(step, model, opt) -> dict[str, int]:
                 out[k] = out.get(k, 0) + int(b)
     out["Total"] = total
     return out
+
+
+def _group_labeler(mesh):
+    """Names a collective's process group by the mesh dim it is (replicate / shard)."""
+    dims = ("replicate", "shard") if mesh.ndim == 2 else ("shard",)
+    names = {id(mesh.get_group(i)): d for i, d in enumerate(dims)}
+    return lambda g: names.get(id(g), f"other{dist.get_world_size(g)}")
+
+
+def count_comm(step, mesh) -> dict:
+    """Bytes this rank sends in one ``step`` by collective kind (``comm_bytes``'s rule), the
+    collective calls seen, and the c10d ops torch's CommDebugMode saw in the same step (a
+    check that the Python-level wrappers missed no collective). Collective on every rank."""
+    from .comm_bytes import CommCounter
+
+    try:
+        from torch.distributed.tensor.debug import CommDebugMode
+    except ImportError:  # pragma: no cover - older torch
+        CommDebugMode = None
+    counter = CommCounter(_group_labeler(mesh))
+    ops = CommDebugMode() if CommDebugMode is not None else None
+    with counter:
+        if ops is None:
+            step()
+        else:
+            with ops:
+                step()
+    by_kind = counter.by_kind()
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sum(by_kind.values()))
+    return {
+        "by_kind": by_kind,
+        "float_by_kind": counter.by_kind(float_only=True),
+        "total": sum(by_kind.values()),
+        "total_by_rank": everyone,
+        "calls": sum(c for c, _ in counter.totals.values()),
+        "c10d_calls": ops.get_total_counts() if ops is not None else None,
+        "rows": counter.rows(),
+    }
+
+
+def hsdp_segment_bytes(model: torch.nn.Module) -> int:
+    """Sum over ragged_fsdp's trainable buffers that have a replicate dim of the sharded
+    segment's bytes in the reduce dtype: what its HSDP all-reduces should send per step
+    (one all-reduce of the reduce-scattered segment per buffer), read off the groups."""
+    from ragged_fsdp.fsdp.init import state_of
+
+    total, seen = 0, set()
+    for m in model.modules():
+        st = state_of(m)
+        g = getattr(st, "group", None)
+        if g is None or id(g) in seen:
+            continue
+        seen.add(id(g))
+        for b, buf in enumerate(g.buffers):
+            rep = g.buffer_dp[b].replicate
+            if rep is None or rep.world_size == 1:
+                continue
+            if any(i.buffer == b and i.sharded.requires_grad for i in g.infos):
+                total += buf.segment * torch.empty((), dtype=buf.reduce_dtype).element_size()
+    return total
 
 
 def _profile(step) -> str:
@@ -291,7 +368,8 @@ def _table(head, rows) -> str:
 def print_report(cfg: BenchConfig, report: dict) -> None:
     """Per workload: step time and peak memory of every framework, and ratios against FSDP2."""
     variants = [v for v in cfg.frameworks]
-    print(f"\nW={cfg.world} gloo ranks, {cfg.rounds} rounds x {cfg.steps} steps; ratios are medians of "
+    layout = f" on a {cfg.mesh[0]}x{cfg.mesh[1]} (replicate, shard) mesh (HSDP)" if cfg.mesh else ""
+    print(f"\nW={cfg.world} gloo ranks{layout}, {cfg.rounds} rounds x {cfg.steps} steps; ratios are medians of "
           "per-round ratios against FSDP2; peak = MemTracker peak over one step")
     head = ("workload", "framework", "step ms", "step vs FSDP2", "peak MiB", "peak vs FSDP2",
             "fwd+bwd peak vs FSDP2", "copy bytes/step")
@@ -310,6 +388,7 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
             ))
     print(_table(head, rows))
     print_composition(cfg, report)
+    print_comm(cfg, report)
     for kind, r in report.items():
         for v, prof in r.get("profile", {}).items():
             print(f"\n-- profile: {kind} / {v} (one step, rank 0) --\n{prof}")
@@ -328,6 +407,34 @@ def print_composition(cfg: BenchConfig, report: dict) -> None:
     print(_table(head, rows))
 
 
+COMM_COLUMNS = (("all-gather", ("all_gather",)), ("reduce-scatter / all-to-all", ("reduce_scatter", "all_to_all")),
+                ("all-reduce", ("all_reduce",)), ("other", ("other",)))
+
+
+def comm_columns(by_kind: dict[str, int]) -> dict[str, int]:
+    """Bytes per reported column (a reduce-scatter done as all-to-alls counts as one)."""
+    return {name: sum(by_kind.get(k, 0) for k in kinds) for name, kinds in COMM_COLUMNS}
+
+
+def print_comm(cfg: BenchConfig, report: dict) -> None:
+    """Bytes each rank sends in one step, by collective kind (rule: bench/comm_bytes.py)."""
+    if not any(r.get("comm") for r in report.values()):
+        return
+    print(f"\nbytes sent per step per rank (rank 0, W={cfg.world}; all-gather: its input, reduce-scatter: input "
+          "less own piece, all-to-all: splits to other ranks, all-reduce: the buffer)")
+    head = ("workload", "framework") + tuple(n for n, _ in COMM_COLUMNS) + ("total", "vs FSDP2", "calls", "ranks equal")
+    rows = []
+    for kind, r in report.items():
+        comm = r.get("comm", {})
+        base = comm.get("fsdp2", {}).get("total")
+        for v, c in comm.items():
+            cols = comm_columns(c["by_kind"])
+            rows.append((kind, v) + tuple(f"{cols[n]:,}" for n, _ in COMM_COLUMNS) + (
+                f"{c['total']:,}", f"{c['total'] / base:.3f}" if base else "-", str(c["calls"]),
+                "yes" if len(set(c["total_by_rank"])) == 1 else "no"))
+    print(_table(head, rows))
+
+
 def plot(reports: dict[int, dict], cfg: BenchConfig, path: str) -> str | None:
     """Bars of step time and peak memory per framework and workload, one column per world size."""
     try:
@@ -339,7 +446,9 @@ def plot(reports: dict[int, dict], cfg: BenchConfig, path: str) -> str | None:
         return None
     worlds = sorted(reports)
     variants = list(cfg.frameworks)
-    fig, axes = plt.subplots(2, len(worlds), figsize=(6 * len(worlds), 7), squeeze=False)
+    with_comm = any(r.get("comm") for rep in reports.values() for r in rep.values())
+    nrows = 3 if with_comm else 2
+    fig, axes = plt.subplots(nrows, len(worlds), figsize=(6 * len(worlds), 3.5 * nrows), squeeze=False)
     width = 0.8 / len(variants)
     for c, w in enumerate(worlds):
         rep = reports[w]
@@ -353,9 +462,27 @@ def plot(reports: dict[int, dict], cfg: BenchConfig, path: str) -> str | None:
             ax.set_xticks([i + width * (len(variants) - 1) / 2 for i in range(len(kinds))])
             ax.set_xticklabels(kinds)
             ax.set_ylabel(label)
-            ax.set_title(f"W={w} gloo ranks (CPU)")
+            ax.set_title(f"W={w} gloo ranks (CPU)" + (f", {cfg.mesh[0]}x{cfg.mesh[1]} HSDP" if cfg.mesh else ""))
             if row == 0 and c == 0:
                 ax.legend(fontsize=8)
+        if with_comm:  # bytes sent per step per rank, stacked by collective kind
+            ax = axes[2][c]
+            counted = [v for v in variants if v in COUNTED]
+            cw = 0.8 / max(1, len(counted))
+            for j, v in enumerate(counted):
+                bottom = [0.0] * len(kinds)
+                for ci, (n, _) in enumerate(COMM_COLUMNS):
+                    vals = [comm_columns(rep[k]["comm"][v]["by_kind"])[n] / 2**20 if v in rep[k].get("comm", {}) else 0
+                            for k in kinds]
+                    ax.bar([i + j * cw for i in range(len(kinds))], vals, cw, bottom=bottom, color=f"C{ci}",
+                           label=n if j == 0 else None, hatch="//" if j else None, edgecolor="black", linewidth=0.3)
+                    bottom = [b + x for b, x in zip(bottom, vals)]
+            ax.set_xticks([i + cw * (len(counted) - 1) / 2 for i in range(len(kinds))])
+            ax.set_xticklabels(kinds)
+            ax.set_ylabel("MiB sent per step per rank")
+            ax.set_title(" | ".join(f"{v}{' (hatched)' if j else ''}" for j, v in enumerate(counted)), fontsize=9)
+            if c == 0:
+                ax.legend(fontsize=6)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -366,22 +493,59 @@ def plot(reports: dict[int, dict], cfg: BenchConfig, path: str) -> str | None:
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="step time / memory / copies of ragged_fsdp vs torch FSDP2, FSDP1, DDP")
     d = BenchConfig()
-    p.add_argument("--world", default=",".join(map(str, d.worlds)), help="world sizes, e.g. 2,4")
+    p.add_argument("--world", default=None, help=f"world sizes, e.g. 2,4 (default {','.join(map(str, d.worlds))}; "
+                   "with --mesh RxS: R*S)")
+    p.add_argument("--mesh", default=None, metavar="RxS",
+                   help="HSDP on an R x S (replicate, shard) mesh for ragged_fsdp and FSDP2, e.g. 2x2 "
+                        "(FSDP1 and DDP take no 2-D mesh and are left out)")
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--models", default=",".join(d.models))
-    p.add_argument("--frameworks", default=",".join(d.frameworks))
+    p.add_argument("--frameworks", default=None,
+                   help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
     p.add_argument("--quick", action="store_true", help="tiny models, one round of one step (a smoke test)")
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--out", default=d.out)
-    p.add_argument("--png", default=d.png)
+    p.add_argument("--out", default=None,
+                   help=f"JSON (default {d.out}; with --mesh RxS: out/bench_engine_meshRxS.json)")
+    p.add_argument("--png", default=None, help=f"PNG (default {d.png}; with --mesh, beside the JSON)")
+
+
+def parse_mesh(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        r, s = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"bench: --mesh {text!r}: expected RxS, the replicate and shard sizes, e.g. 2x2") from None
+    if r < 1 or s < 1:
+        raise SystemExit(f"bench: --mesh {text!r}: both sizes must be at least 1")
+    return r, s
 
 
 def main(args) -> int:
-    worlds = tuple(int(w) for w in str(args.world).split(","))
+    mesh = parse_mesh(getattr(args, "mesh", None))
+    d = BenchConfig()
+    if args.world is None:
+        worlds = (mesh[0] * mesh[1],) if mesh else d.worlds
+    else:
+        worlds = tuple(int(w) for w in str(args.world).split(","))
+    if mesh and any(w != mesh[0] * mesh[1] for w in worlds):
+        raise SystemExit(f"bench: --world {args.world} does not match --mesh {args.mesh}: the mesh needs "
+                         f"{mesh[0] * mesh[1]} ranks (pass --world {mesh[0] * mesh[1]} or leave --world out)")
+    if args.frameworks is None:
+        frameworks = MESH_VARIANTS if mesh else VARIANTS
+    else:
+        frameworks = tuple(args.frameworks.split(","))
+        if mesh and set(frameworks) - set(MESH_VARIANTS):
+            raise SystemExit(f"bench: --frameworks {args.frameworks} with --mesh: "
+                             f"{', '.join(sorted(set(frameworks) - set(MESH_VARIANTS)))} take no 2-D mesh; "
+                             f"choose from {', '.join(MESH_VARIANTS)}")
+    tag = f"_mesh{mesh[0]}x{mesh[1]}" if mesh else ""
+    out = args.out or (f"out/bench_engine{tag}.json" if mesh else d.out)
+    png = args.png if args.png is not None else (str(Path(out).with_suffix(".png")) if mesh else d.png)
     base = dict(rounds=args.rounds, steps=args.steps, models=tuple(args.models.split(",")),
-                frameworks=tuple(args.frameworks.split(",")), profile=args.profile, out=args.out,
-                png=args.png, quick=args.quick, worlds=worlds)
+                frameworks=frameworks, profile=args.profile, out=out,
+                png=png, quick=args.quick, worlds=worlds, mesh=mesh)
     if args.quick:
         base.update(rounds=1, steps=1)
     reports, configs = {}, {}
@@ -390,16 +554,16 @@ def main(args) -> int:
         reports[w] = run(cfg)
         configs[w] = cfg
         print_report(cfg, reports[w])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     # "report" keeps its shape (per workload) for readers of earlier files (sim.bench_check):
     # the W=2 launch when there is one; every launch is under "by_world".
     first = 2 if 2 in reports else worlds[0]
-    Path(args.out).write_text(json.dumps({"config": asdict(configs[first]), "report": reports[first],
+    Path(out).write_text(json.dumps({"config": asdict(configs[first]), "report": reports[first],
                                           "by_world": {str(w): r for w, r in reports.items()}},
                                          indent=1, default=str))
-    print(f"\nwrote {args.out}")
-    if args.png:
-        made = plot(reports, configs[worlds[0]], args.png)
+    print(f"\nwrote {out}")
+    if png:
+        made = plot(reports, configs[worlds[0]], png)
         print(f"wrote {made}" if made else "(install matplotlib for the PNG)")
     return 0
 
