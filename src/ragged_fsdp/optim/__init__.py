@@ -33,6 +33,12 @@ every world size (each rank preconditions the tiles it holds whole). Muon's para
 single-device ``torch.optim.Muon`` bit for bit (the owner of each matrix runs the same
 Newton-Schulz on the same full matrix), AdamW8bit's parameters and
 states are the same bits at every world size (each rank quantises whole blocks of its own).
+On n-D meshes (RaggedShard next to HSDP's Replicate or TP/EP's ``Shard(k)``): Muon stays bitwise
+equal to ``torch.optim.Muon`` (an owner gathers the whole global matrix over the RaggedShard and
+TP dims; an EP expert stays on its EP rank; HSDP replicas repeat the work), AdamW8bit cuts its
+blocks from the TP/EP-local tensor (bitwise the same at every data-parallel size for a fixed
+TP/EP layout), the AdamW steps are pointwise on local tensors, and Shampoo accepts HSDP and
+refuses TP/EP layouts with an error naming the parameter.
 Both expose ``state_dict()``/``load_state_dict()`` with DTensor states (codes in the parameter's
 layout, absmax as a RaggedDTensor over blocks) that load under any other layout or world size
 (full tensors, DTensors, or through DCP).

@@ -8,6 +8,18 @@ code per element; the first moment uses the signed dynamic map, the second the u
 (:mod:`ragged_fsdp.optim.quant`; two shared 256-entry tables, not per-parameter state).
 Smaller tensors keep float32 states.
 
+On an n-D mesh (RaggedShard next to HSDP's Replicate or TP/EP's ``Shard(k)``) the blocks are
+cut from the **outer-local** tensor, the TP/EP-local tensor the RaggedShard splits: a TP piece
+of a matrix is not a contiguous run of the global tensor (``Shard(1)`` leaves row segments),
+so global blocks could not be kept whole on one rank without moving states every step, while
+outer-local blocks are what ``fully_shard``'s planner keeps whole (granularity applies to the
+TP-local tensor). Hence parameters and states are the same bits at every data-parallel size for
+a fixed TP/EP layout (and equal to one process when the outer-local blocks coincide with the
+global ones: HSDP, or a ``Shard(0)`` whose pieces are whole blocks); a different TP/EP degree
+cuts other blocks, so 8-bit states do not move between TP/EP degrees (the per-block state has
+one row of blocks per TP/EP piece, shape ``parts + (blocks,)``, and a mismatch is refused).
+HSDP replicas hold and update identical copies.
+
 Each step, per parameter: dequantise the states of this rank's blocks, run torch's AdamW
 update on this rank's elements (``torch.optim.adamw.adamw``, single-tensor path: decoupled
 weight decay, bias corrections, the same rounding as ``torch.optim.AdamW``), quantise the new
@@ -120,18 +132,22 @@ class AdamW8bit(Optimizer):
         return lay.numel >= group["min_8bit_size"]
 
     def _check_blocks(self, p, lay: Layout, group: dict, name: str) -> None:
-        """Every rank's run must start on a block edge and end on one (or at the tensor's end)."""
+        """Every rank's run must start on a block edge and end on one (or at the end of the
+        tensor the runs cut: the TP/EP-local tensor on an n-D mesh)."""
         if not self._eight_bit(lay, group) or lay.kind in ("plain", "replicate"):
             return
         bs = group["block_size"]
+        end = lay.outer_numel
+        what = (f"its TP/EP-local tensor of shape {lay.outer_shape} (placements {lay.placements})"
+                if lay.outer_shards else "elements")
         for r, (a, b) in enumerate(lay.ranges):
             if b <= a:
                 continue
-            cut = a if a % bs else (b if b % bs and b != lay.numel else None)
+            cut = a if a % bs else (b if b % bs and b != end else None)
             if cut is not None:
                 raise ValueError(
                     f"AdamW8bit: parameter {name} (shape {lay.shape}, {lay.numel} elements) is laid "
-                    f"out so that rank {r} holds elements [{a}, {b}), cutting a {bs}-element "
+                    f"out so that rank {r} holds {what} [{a}, {b}), cutting a {bs}-element "
                     f"quantisation block at element {cut}. Shard the model with "
                     "fully_shard(..., granularity_fn=AdamW8bit.granularity) (or "
                     f"AdamW8bit.granularity_for(block_size={bs}, min_8bit_size={group['min_8bit_size']})) "

@@ -23,6 +23,14 @@ for bit at every world size (``tests/test_optim_dist.py``). Bitwise equality als
 same CPU kernels and thread count on both sides (the bf16 matmuls of Newton-Schulz must take
 the same path); across machines expect rounding-level differences.
 
+On n-D meshes (:mod:`._gather`) the owner gathers the whole *global* matrix: with tensor
+parallelism (a ``Shard`` on one of the last two dims next to the RaggedShard) from the ranks
+of the RaggedShard dim and of the TP dims, assembling the TP tiles in place, and sends every
+rank its piece of its tile back; with expert parallelism (``Shard`` on a leading dim of
+stacked experts) each expert stays on its EP rank's RaggedShard ranks; with HSDP every
+replica does the same work on the same numbers. Parameters still match single-device
+``torch.optim.Muon`` bit for bit (``tests/test_optim_nd.py``).
+
 Tensors with more than two dims (fused experts ``(E, H, I)``) are a batch of matrices over the
 leading dims; each ``(H, I)`` matrix is orthogonalised on its own (with its own owner) and the
 learning-rate adjustment uses ``(H, I)``. 1-D tensors are rejected in Muon groups.
@@ -42,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from ._gather import GatherSet, gather_set
 from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from .routing import check_finite, muon_granularity
@@ -115,14 +124,15 @@ def _scalar(x) -> float:
 @dataclass
 class _Matrix:
     slot: int  # index of the parameter in the group's list of params with grads
-    start: int  # element range inside the parameter's flat tensor
+    start: int  # element range of the matrix's tile inside the flat outer-local tensor
     end: int
-    rows: int
+    rows: int  # of the global matrix
     cols: int
     flops: int
     owner: int = 0
-    # per rank: (start, end) of this matrix held by the rank, clipped to the matrix
+    # per member of the gather set: (start, end) of the tile held by it, clipped to the tile
     pieces: tuple = ()
+    gs: GatherSet | None = None  # who holds the tiles (and where each tile sits)
 
 
 @dataclass
@@ -147,19 +157,23 @@ class _Plan:
     allgather_bytes_sent: int = 0
 
 
-def _matrices_of(slot: int, lay: Layout, steps: int) -> list[_Matrix]:
-    shape = lay.shape
-    rows, cols = shape[-2], shape[-1]
-    size = rows * cols
-    count = math.prod(shape[:-2])
-    if size == 0:
+def _matrices_of(slot: int, lay: Layout, gs: GatherSet, steps: int) -> list[_Matrix]:
+    """The matrices of one parameter: the ``k``-th matrix of the outer-local tensor is the same
+    global matrix on every member (TP never cuts the leading dims), each member holding its
+    RaggedShard rank's run of its own tile."""
+    rows, cols = lay.shape[-2], lay.shape[-1]
+    h, w = gs.tile
+    size = h * w
+    count = math.prod(lay.outer_shape[:-2])
+    if size == 0 or rows * cols == 0:
         return []
     flops = newton_schulz_flops(rows, cols, steps)
+    runs = [lay.ranges[r] for r in gs.ragged]
     out = []
     for k in range(count):
         s, e = k * size, (k + 1) * size
-        pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in lay.ranges)
-        out.append(_Matrix(slot, s, e, rows, cols, flops, pieces=pieces))
+        pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in runs)
+        out.append(_Matrix(slot, s, e, rows, cols, flops, pieces=pieces, gs=gs))
     return out
 
 
@@ -304,7 +318,11 @@ class Muon(Optimizer):
                     f"{tuple(p.shape)}); Newton-Schulz needs matrices. Put it in a param group "
                     "with use_muon=False (AdamW), e.g. with ragged_fsdp.optim.muon_param_groups(model)"
                 )
-            layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+            lay = layout_of(p, f"Muon parameter {param_name(group, i, p, gi)}")
+            if use_muon:
+                # creates the process groups a TP layout needs now: collective, and every rank
+                # adds the same parameters in the same order
+                gather_set(lay)
         if not use_muon:  # AdamW states in flat buffers: the step runs over contiguous runs
             fresh = [p for p in group["params"] if p.requires_grad and len(self.state[p]) == 0]
             for p, views in zip(fresh, flat_states(fresh, ("exp_avg", "exp_avg_sq"))):
@@ -389,10 +407,15 @@ class Muon(Optimizer):
                              f"{tuple(g.shape)}, the parameter {tuple(p.shape)}")
         if lay.kind != "plain":
             glay = layout_of(g, "gradient")
-            if glay.ranges != lay.ranges:
+            if (glay.ranges, glay.outer, glay.outer_offset) != (lay.ranges, lay.outer, lay.outer_offset) or (
+                    lay.kind == "ragged" and tuple(g.placements[i] for i in range(len(lay.placements))
+                                                   if i != lay.mesh_dim)
+                    != tuple(q for i, q in enumerate(lay.placements) if i != lay.mesh_dim)):
+                where = getattr(g, "placements", None)
                 raise ValueError(
-                    f"Muon: gradient of {param_name(group, i, p, gi)} is laid out {glay.ranges}, "
-                    f"the parameter {lay.ranges}; redistribute the gradient to the parameter's layout"
+                    f"Muon: gradient of {param_name(group, i, p, gi)} is laid out {glay.ranges} "
+                    f"(placements {where}), the parameter {lay.ranges} (placements "
+                    f"{getattr(p, 'placements', None)}); redistribute the gradient to the parameter's layout"
                 )
 
     def _plan(self, work) -> _Plan:
@@ -406,12 +429,11 @@ class Muon(Optimizer):
         for gi, group, items in work:
             by_group: dict = {}
             for slot, (i, p, lay) in enumerate(items):
-                grp = lay.group if lay.sharded else None
-                b = by_group.get(id(grp))
+                gs = gather_set(lay)
+                b = by_group.get(id(gs.group))
                 if b is None:
-                    b = by_group[id(grp)] = _Batch(grp, lay.rank if grp is not None else 0,
-                                                   lay.world if grp is not None else 1)
-                b.matrices.extend(_matrices_of(slot, lay, group["ns_steps"]))
+                    b = by_group[id(gs.group)] = _Batch(gs.group, gs.me, gs.world)
+                b.matrices.extend(_matrices_of(slot, lay, gs, group["ns_steps"]))
             all_batches.append(list(by_group.values()))
         loads = _assign_owners([b for bs in all_batches for b in bs])
         plan = _Plan(all_batches, loads)
@@ -458,7 +480,7 @@ class Muon(Optimizer):
     def _orthogonalise(self, batch: _Batch, items, updates, results, group, stats):
         me, world = batch.rank, batch.world
         coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-        local_start = [lay.local_range[0] if batch.group is not None else 0 for _, _, lay in items]
+        local_start = [lay.local_range[0] for _, _, lay in items]
         mine = [m for m in batch.matrices if m.owner == me]
         # forward: pieces to owners, ordered by destination then matrix order
         recv_buf = None
@@ -479,19 +501,31 @@ class Muon(Optimizer):
         recv_off = _offsets(batch.recv_split)
         outs = {}
         for m in mine:
+            gs = m.gs
             size = m.end - m.start
-            full = updates[m.slot].new_empty(size)
+            full = updates[m.slot].new_empty(m.rows * m.cols)
+            # one flat buffer per tile (the whole matrix itself when TP does not cut it)
+            tiles = {} if gs.tiled else {(0, 0): full}
             for r, (a, b) in enumerate(m.pieces):
                 if b <= a:
                     continue
+                dst = tiles.get(gs.offsets[r])
+                if dst is None:
+                    dst = tiles[gs.offsets[r]] = full.new_empty(size)
                 if r == me:
                     off = local_start[m.slot]
-                    full[a - m.start: b - m.start] = updates[m.slot][a - off: b - off]
+                    dst[a - m.start: b - m.start] = updates[m.slot][a - off: b - off]
                 else:
-                    full[a - m.start: b - m.start] = recv_buf[recv_off[r]: recv_off[r] + (b - a)]
+                    dst[a - m.start: b - m.start] = recv_buf[recv_off[r]: recv_off[r] + (b - a)]
                     recv_off[r] += b - a
-            out = newton_schulz(full.view(m.rows, m.cols), coeffs, steps, eps)
-            outs[id(m)] = out.reshape(-1)
+            h, w = gs.tile
+            whole = full.view(m.rows, m.cols)
+            if gs.tiled:  # TP tiles into the global matrix
+                for (r0, c0), t in tiles.items():
+                    whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
+            out = newton_schulz(whole, coeffs, steps, eps)
+            outs[id(m)] = ({o: out[o[0]: o[0] + h, o[1]: o[1] + w].reshape(-1) for o in tiles}
+                           if gs.tiled else {(0, 0): out.reshape(-1)})
             self.ns_calls += 1
             stats["ns_flops"] += m.flops
             stats["ns_matrices"] += 1
@@ -504,7 +538,7 @@ class Muon(Optimizer):
                 for m in mine:
                     a, b = m.pieces[d]
                     if b > a:
-                        chunks.append(outs[id(m)][a - m.start: b - m.start])
+                        chunks.append(outs[id(m)][m.gs.offsets[d]][a - m.start: b - m.start])
             send = torch.cat(chunks) if chunks else updates[0].new_empty(0)
             back = send.new_empty(sum(batch.send_split))
             _all_to_all(back, send, batch.send_split, batch.recv_split, batch.group)
@@ -521,7 +555,7 @@ class Muon(Optimizer):
             a, b = m.pieces[me]
             if b > a:
                 off = local_start[m.slot]
-                results[m.slot][a - off: b - off] = outs[id(m)][a - m.start: b - m.start]
+                results[m.slot][a - off: b - off] = outs[id(m)][m.gs.offsets[me]][a - m.start: b - m.start]
 
     # -- AdamW groups ----------------------------------------------------------------
     def _adamw_group(self, group, gi):

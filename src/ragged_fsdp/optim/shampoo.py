@@ -164,6 +164,7 @@ class Shampoo(Optimizer):
                 raise ValueError(f"Shampoo: parameter {name} has dtype {p.dtype}; only real "
                                  "floating-point parameters are supported")
             lay = layout_of(p, f"Shampoo parameter {name}")
+            self._refuse_outer_shards(lay, name)
             self._info(p, lay, group, name)
             if p.requires_grad:
                 # made now, not at the first step: checkpoint loaders need them to exist
@@ -201,6 +202,21 @@ class Shampoo(Optimizer):
             raise ValueError(f"{where}: factor_matrix_dtype={group['factor_matrix_dtype']} must be "
                              "torch.float32 or torch.float64 (eigh needs one of them)")
         group["factor_matrix_dtype"] = _dtype_name(group["factor_matrix_dtype"])
+
+    @staticmethod
+    def _refuse_outer_shards(lay: Layout, name: str) -> None:
+        """Tiles come from the global shape and each must sit whole on one rank; a TP/EP
+        ``Shard`` next to the RaggedShard cuts the tensor into pieces on other ranks, so the
+        tiles would need a collective per step. Refused (HSDP's Replicate dims are fine: each
+        replica preconditions the same tiles)."""
+        if lay.outer_shards:
+            raise NotImplementedError(
+                f"Shampoo: parameter {name} (shape {lay.shape}) has placements {lay.placements}: a "
+                "Shard(k) next to the RaggedShard (tensor or expert parallelism) cuts the "
+                "preconditioner tiles across ranks, and Shampoo preconditions whole tiles held by one "
+                "rank. Supported: RaggedShard alone or next to Replicate() mesh dims (HSDP); give "
+                "TP/EP-sharded parameters to another optimizer (e.g. Muon or AdamW param groups)"
+            )
 
     def _info(self, p, lay: Layout, group: dict, name: str) -> _ParamTiles:
         """This rank's tiles of ``p`` under layout ``lay`` (cached; checks no tile is cut)."""
@@ -299,6 +315,7 @@ class Shampoo(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"Shampoo: parameter {name} has a sparse gradient")
                 lay = layout_of(p, f"Shampoo parameter {name}")
+                self._refuse_outer_shards(lay, name)
                 info = self._info(p, lay, group, name)
                 pl, gl = local_of(p), local_of(p.grad)
                 if gl.shape != pl.shape or (lay.kind != "plain" and layout_of(p.grad, "gradient").ranges != lay.ranges):
