@@ -55,7 +55,7 @@ def case_reshard_variants(rank, world):
             g = model.layers[0]._fsdp_state().group
             assert g.sharded_state is ShardedState.SHARDED_POST_FORWARD
             assert g._kept[0].numel() == g.buffers[0].layout.total // 2
-            assert g.post_forward_comm.world_size == 2
+            assert g.post_forward_comms[0].world_size == 2
             loss.backward()
             assert g.sharded_state is ShardedState.SHARDED and not g._kept
 

@@ -155,8 +155,9 @@ def _concatenate(dp_mesh: DeviceMesh, other: DeviceMesh, fqn: str, p: DTensor) -
         raise NotImplementedError("fully_shard: this torch has no DeviceMesh._concatenate; TP/EP composition needs torch >= 2.11")
     if dp_mesh.mesh_dim_names is None or other.mesh_dim_names is None:
         raise ValueError(
-            f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tuple(other.shape)}; composing "
-            "with TP/EP needs named meshes sliced from one root mesh: build it with "
+            f"fully_shard: parameter {fqn!r} is a DTensor on mesh {tuple(other.shape)} with placements "
+            f"{tuple(p.placements)}, which does not compose with the data-parallel mesh: TP/EP "
+            "composition needs named meshes sliced from one root mesh: build it with "
             "init_device_mesh(..., mesh_dim_names=(...)) and pass mesh['dp'] and mesh['tp']"
         )
     try:
