@@ -354,8 +354,50 @@ def case_tp_bf16_accumulation(rank, world):
     # check of the accumulated first step is the test)
 
 
+def case_muon_tp_llama_bitwise(rank, world):
+    """ragged Muon on a TP x FSDP HF Llama equals torch.optim.Muon (AdamW for the rest) on
+    the unsharded model, bitwise, given the same gradients: the FSDP gradients (gathered
+    whole) are handed to the reference, so only the optimizer is compared."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from _dist import full, global_batch
+    from ragged_fsdp.optim import Muon
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = hf_llama()
+    torch.manual_seed(0)
+    model = hf_llama()
+    parallelize_module(model, mesh["tp"], tp_plan())
+    _wrap_hf(mesh["dp"])(model)
+
+    def split(named):
+        mats = [p for n, p in named if p.dim() == 2 and "embed" not in n and "lm_head" not in n]
+        rest = [p for n, p in named if not (p.dim() == 2 and "embed" not in n and "lm_head" not in n)]
+        return mats, rest
+
+    mats, rest = split(list(model.named_parameters()))
+    opt = Muon([{"params": mats, "lr": 0.02, "weight_decay": 0.1},
+                {"params": rest, "use_muon": False, "lr": 3e-3, "weight_decay": 0.01}])
+    rmats, rrest = split(list(ref.named_parameters()))
+    t_muon = torch.optim.Muon(rmats, lr=0.02, weight_decay=0.1)
+    t_adam = torch.optim.AdamW(rrest, lr=3e-3, weight_decay=0.01, foreach=False)
+    dp = mesh.get_coordinate()[0]
+    for step in range(2):
+        tokens, targets = global_batch(step, 4, 8, 96)
+        hf_loss(model, tokens[2 * dp:2 * dp + 2], targets[2 * dp:2 * dp + 2]).backward()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            q.grad = full(p.grad).detach().clone()
+        opt.step()
+        t_muon.step()
+        t_adam.step()
+        opt.zero_grad()
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(full(p).detach(), q.detach()), (step, n, (full(p) - q).abs().max())
+
+
 CASES = [
-    case_hsdp_meta_init_checkpointing_no_reshard, case_tp_bf16_accumulation,
+    case_muon_tp_llama_bitwise, case_hsdp_meta_init_checkpointing_no_reshard, case_tp_bf16_accumulation,
     case_hsdp_bf16_against_fsdp2, case_dp_mesh_dims_spmd,
     case_hsdp_llama, case_hsdp_moe_tied, case_hsdp_accumulation_skips_all_reduce, case_tp_llama,
     case_ep_moe_two_meshes, case_ep_moe_shard_placement_fn, case_errors,
