@@ -190,6 +190,8 @@ def case_save_layouts(rank, world):
         ck.save({"train": ck.TrainState(model, opt), "step": STEPS}, _d(layout), step=STEPS)
         if rank == 0:
             torch.save(snap, _d(f"ref_{layout}.pt"))
+        if layout == "tp":  # the background save keeps the 2-D layout too
+            ck.async_save({"train": ck.TrainState(model, opt), "step": STEPS}, checkpoint_id=_d("tp_async")).result()
         # the full-state-dict getter gathers every mesh dim
         msd, osd = ck.get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if rank == 0:
@@ -212,6 +214,11 @@ def case_load_1d_w4(rank, world):
         ck.load_latest(_d(layout), state)
         assert state["step"] == STEPS
         _assert_same(_snapshot(model, opt), _ref(layout), f"{layout} -> 1-D W=4")
+        if layout == "tp":
+            model = _wrap_1d(_build("llama", seed=5), mesh)
+            opt = _fresh(model)
+            ck.load({"train": ck.TrainState(model, opt), "step": 0}, _d("tp_async"))
+            _assert_same(_snapshot(model, opt), _ref(layout), "tp (async_save) -> 1-D W=4")
 
 
 def case_load_1d_w3_submesh(rank, world):
@@ -226,7 +233,7 @@ def case_load_1d_w3_submesh(rank, world):
     for layout in LAYOUTS:
         model = _wrap_1d(_build(_arch(layout), seed=5), sub)
         opt = _fresh(model)
-        ck.load_latest(_d(layout), {"train": ck.TrainState(model, opt)}, strict=False, process_group=group)
+        ck.load_latest(_d(layout), {"train": ck.TrainState(model, opt), "step": 0}, process_group=group)
         _assert_same(_snapshot(model, opt), _ref(layout), f"{layout} -> 1-D W=3 sub-mesh")
 
 
@@ -259,7 +266,7 @@ def case_cross_layout(rank, world):
     for src, dst in (("hsdp", "tp"), ("tp", "hsdp")):
         model, _ = _wrap(dst, _build("llama", seed=5))
         opt = _fresh(model)
-        ck.load_latest(_d(src), {"train": ck.TrainState(model, opt)}, strict=False)
+        ck.load_latest(_d(src), {"train": ck.TrainState(model, opt), "step": 0})
         _assert_same(_snapshot(model, opt), _ref(src), f"{src} -> {dst}")
 
 
@@ -283,6 +290,13 @@ def case_plain_into_layouts(rank, world):
         ck.set_state_dict(model, opt, model_state_dict=full["model"], optim_state_dict=full["optim"],
                           options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         _assert_same(_snapshot(model, opt), want, f"plain -> {layout} (broadcast_from_rank0)")
+        if layout == "tp":  # every rank passes the full state dict (no broadcast)
+            model, _ = _wrap(layout, _build(arch, seed=5))
+            opt = _fresh(model)
+            full = torch.load(_d(f"plain_{arch}.pt"))["train"]
+            ck.set_state_dict(model, opt, model_state_dict=full["model"], optim_state_dict=full["optim"],
+                              options=StateDictOptions(full_state_dict=True))
+            _assert_same(_snapshot(model, opt), want, f"plain -> {layout} (full_state_dict on every rank)")
 
 
 CASES = [case_save_layouts, case_load_1d_w4, case_load_1d_w3_submesh, case_load_plain_on_rank0,
@@ -335,7 +349,7 @@ def test_layout_checkpoint_into_plain_model(results, layout):
     os.environ[ENV] = results[0]
     model = _build(_arch(layout), seed=5)
     opt = _fresh(model)
-    ck.load_latest(_d(layout), {"train": ck.TrainState(model, opt)}, strict=False)
+    ck.load_latest(_d(layout), {"train": ck.TrainState(model, opt), "step": 0})
     _assert_same(_snapshot(model, opt), _ref(layout), f"{layout} -> plain model (no process group)")
 
 
@@ -350,6 +364,9 @@ def test_ckpt_convert_layout_checkpoint(results, layout, tmp_path, capsys):
     out = tmp_path / f"{layout}.pt"
     assert main(["ckpt", "convert", _d(layout), str(out), "--key", "train"]) == 0
     assert "wrote" in capsys.readouterr().out
+    assert main(["ckpt", "info", _d(layout)]) == 0
+    info = capsys.readouterr().out
+    assert "train.optim.state." in info and "train.model." in info and "stored items with a CRC-32" in info
     sd = torch.load(out, weights_only=True)
     model = _build(_arch(layout), seed=5)
     opt = _fresh(model)
