@@ -6,22 +6,26 @@ One W=4 launch. Each layout trains two AdamW steps and saves model and optimizer
 at save time (``full_tensor()`` of every parameter and optimizer state) are the reference.
 Every load below is compared with ``torch.equal`` (bitwise: loading only moves bytes):
 
-* into a 1-D ``fully_shard`` model at W=4 (another layout, another optimizer object);
+* into a 1-D ``fully_shard`` model at W=4 (another layout, another optimizer object), and
+  the TP layout's ``async_save`` checkpoint too;
 * into a 1-D ``fully_shard`` model on a 3-rank sub-mesh (ranks 0-2) in the same launch,
   with ``process_group=`` the sub-mesh's group (rank 3 sits that load out);
 * on rank 0, into plain tensors with ``dcp.load(..., no_dist=True)``;
 * from the other Llama layout (HSDP <-> TP);
 * from a plain single-process model's checkpoint (written in this pytest process with
   ``ckpt convert IN.pt DIR``) into each layout, with ``load`` and with the full-state-dict
-  path (``set_state_dict(full_state_dict=True, broadcast_from_rank0=True)``);
+  path (``set_state_dict(full_state_dict=True, broadcast_from_rank0=True)``; for TP also
+  with the full state dict on every rank);
 * ``get_state_dict(full_state_dict=True, cpu_offload=True)`` of each layout.
 
 Then, in this process (no process group): each layout's checkpoint into a plain model and
-optimizer through ``load(TrainState)``, and through ``ckpt convert DIR OUT.pt``.
+optimizer through ``load(TrainState)``, and through ``ckpt convert DIR OUT.pt`` (plus
+``ckpt info``, and every element stored once: HSDP replicas are deduplicated).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -356,7 +360,9 @@ def test_layout_checkpoint_into_plain_model(results, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_ckpt_convert_layout_checkpoint(results, layout, tmp_path, capsys):
     """``ckpt convert DIR OUT.pt --key train``: a plain model and optimizer load the file."""
-    from ragged_fsdp.checkpoint import set_state_dict
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ragged_fsdp.checkpoint import read_metadata, resolve, set_state_dict
     from ragged_fsdp.cli import main
 
     check_case(results[1], case_save_layouts, WORLD)
@@ -367,6 +373,12 @@ def test_ckpt_convert_layout_checkpoint(results, layout, tmp_path, capsys):
     assert main(["ckpt", "info", _d(layout)]) == 0
     info = capsys.readouterr().out
     assert "train.optim.state." in info and "train.model." in info and "stored items with a CRC-32" in info
+    # every element is stored exactly once: HSDP replicas declare the same boxes, DCP keeps one
+    md = read_metadata(resolve(_d(layout)))
+    tensors = {k: m for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    for k, m in tensors.items():
+        assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), (layout, k, m.chunks)
+        assert sum(idx.fqn == k for idx in md.storage_data) == len(m.chunks), (layout, k)
     sd = torch.load(out, weights_only=True)
     model = _build(_arch(layout), seed=5)
     opt = _fresh(model)
