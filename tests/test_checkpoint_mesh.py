@@ -1,5 +1,7 @@
 """Checkpoints of models on multi-dimensional meshes: HSDP (2x2), TP x FSDP (dp 2 x tp 2, HF
-Llama) and EP x FSDP (dp 2 x ep 2, the reference MoE with fused experts), W=4 on gloo.
+Llama) and EP x FSDP (dp 2 x ep 2, the reference MoE with fused experts; ``ep``: experts on
+``mesh["dp"]`` and the rest on the flattened ``dp_ep`` mesh, ``ep_fn``: torchtitan's
+``shard_placement_fn`` call shape), W=4 on gloo.
 
 One W=4 launch. Each layout trains two AdamW steps and saves model and optimizer with
 ``ragged_fsdp.checkpoint.save({"train": TrainState(model, opt)}, root)``; the full tensors
@@ -39,7 +41,7 @@ from _dist import check_case, run_cases  # noqa: E402
 
 WORLD = 4
 ENV = "RAGGED_CKPT_MESH_DIR"
-LAYOUTS = ("hsdp", "tp", "ep")
+LAYOUTS = ("hsdp", "tp", "ep", "ep_fn")
 STEPS = 2
 
 
@@ -50,7 +52,7 @@ def _d(*parts):
 # -- models, layouts, references ----------------------------------------------------------
 
 def _arch(layout):
-    return "moe" if layout == "ep" else "llama"
+    return "moe" if layout.startswith("ep") else "llama"
 
 
 def _build(arch, seed=0):
@@ -102,6 +104,23 @@ def _wrap(layout, model):
         for block in _blocks(model):
             fully_shard(block.feed_forward.experts, mesh=mesh["dp"])
             fully_shard(block, mesh=dp_ep)
+        fully_shard(model, mesh=dp_ep)
+        return model, dist.get_rank()
+    if layout == "ep_fn":  # torchtitan 0.3.0's call shape: the experts' mesh from shard_placement_fn
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+        from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+        from torch.distributed.tensor import Shard
+
+        from ragged_fsdp.models.expert_parallel import apply_expert_parallel
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        dp_ep = mesh["dp", "ep"]._flatten("dp_ep")
+        edp, dp = _get_mesh_info(mesh["dp"]), _get_mesh_info(dp_ep)
+        apply_expert_parallel(model, mesh["ep"])
+        for block in _blocks(model):
+            experts = set(block.feed_forward.experts.parameters())
+            fully_shard(block, mesh=dp_ep, shard_placement_fn=lambda p, e=experts: ShardPlacementResult(
+                placement=Shard(0), mesh_info=edp if p in e else dp))
         fully_shard(model, mesh=dp_ep)
         return model, dist.get_rank()
     raise AssertionError(layout)
@@ -190,6 +209,11 @@ def case_save_layouts(rank, world):
         _train(model, opt, arch, dp)
         assert all(isinstance(p.placements[0], RaggedShard) or isinstance(p.placements[1], RaggedShard)
                    for p in model.parameters()), layout
+        if arch == "moe":  # experts: dp x ep (2-D), the rest on the flattened dp_ep mesh
+            from torch.distributed.tensor import Shard
+
+            w1 = _blocks(model)[0].feed_forward.experts.w1
+            assert isinstance(w1.placements[0], RaggedShard) and w1.placements[1] == Shard(0), (layout, w1.placements)
         snap = _snapshot(model, opt)
         ck.save({"train": ck.TrainState(model, opt), "step": STEPS}, _d(layout), step=STEPS)
         if rank == 0:

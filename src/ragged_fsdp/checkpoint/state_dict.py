@@ -17,8 +17,9 @@ What torch rejects, and we do first: loading a *full* state dict
 tensor into a shard with its own ``distribute_tensor`` (or slices by
 ``compute_local_shape_and_global_offset``), neither of which knows RaggedShard. We turn the
 full tensors into RaggedShard DTensors laid out like the model's (or optimizer's) own
-shards — ``broadcast_from_rank0`` scatters only each rank's piece from rank 0 instead of
-broadcasting whole tensors — and then call torch's sharded path. Models without a
+shards — ``broadcast_from_rank0`` scatters only each rank's piece from rank 0 when the
+tensor's mesh is 1-D over the whole world, and broadcasts the whole tensor from rank 0 on any
+other mesh (HSDP, TP/EP x dp), as torch does — and then call torch's sharded path. Models without a
 RaggedShard tensor go to torch untouched.
 """
 
@@ -116,8 +117,9 @@ def set_model_state_dict(
     options: StateDictOptions | None = None,
 ):
     """As torch's. With ``full_state_dict=True`` every rank passes the full state dict; with
-    ``broadcast_from_rank0=True`` too, only rank 0 needs it (others may pass ``{}``) and each
-    rank receives just its own piece of every RaggedShard tensor.
+    ``broadcast_from_rank0=True`` too, only rank 0 needs it (others may pass ``{}``); on a 1-D
+    mesh over the world each rank receives just its own piece of every RaggedShard tensor,
+    on other meshes the whole tensor (collectives over the default group).
 
     Returns torch's ``_IncompatibleKeys`` (``missing_keys``, ``unexpected_keys``); with
     ``strict=True`` (the default) a mismatch raises instead, naming the keys, on every rank."""
