@@ -17,8 +17,9 @@ What torch rejects, and we do first: loading a *full* state dict
 tensor into a shard with its own ``distribute_tensor`` (or slices by
 ``compute_local_shape_and_global_offset``), neither of which knows RaggedShard. We turn the
 full tensors into RaggedShard DTensors laid out like the model's (or optimizer's) own
-shards — ``broadcast_from_rank0`` scatters only each rank's piece from rank 0 instead of
-broadcasting whole tensors — and then call torch's sharded path. Models without a
+shards — ``broadcast_from_rank0`` scatters only each rank's piece from rank 0 when the
+tensor's mesh is 1-D over the whole world, and broadcasts the whole tensor from rank 0 on any
+other mesh (HSDP, TP/EP x dp), as torch does — and then call torch's sharded path. Models without a
 RaggedShard tensor go to torch untouched.
 """
 
@@ -116,8 +117,9 @@ def set_model_state_dict(
     options: StateDictOptions | None = None,
 ):
     """As torch's. With ``full_state_dict=True`` every rank passes the full state dict; with
-    ``broadcast_from_rank0=True`` too, only rank 0 needs it (others may pass ``{}``) and each
-    rank receives just its own piece of every RaggedShard tensor.
+    ``broadcast_from_rank0=True`` too, only rank 0 needs it (others may pass ``{}``); on a 1-D
+    mesh over the world each rank receives just its own piece of every RaggedShard tensor,
+    on other meshes the whole tensor (collectives over the default group).
 
     Returns torch's ``_IncompatibleKeys`` (``missing_keys``, ``unexpected_keys``); with
     ``strict=True`` (the default) a mismatch raises instead, naming the keys, on every rank."""
@@ -265,11 +267,13 @@ def _shard_like(src: torch.Tensor, like: torch.Tensor, *, broadcast: bool) -> to
     if isinstance(like, RaggedDTensor):
         mesh, placements = like.device_mesh, like.placements
         if broadcast:
-            d = [i for i, p in enumerate(placements) if not _is_replicate(p)]
-            group = mesh.get_group(d[0]) if len(d) == 1 else None
-            if mesh.ndim == 1 and group is not None and dist.get_global_rank(group, 0) == 0:
+            if _spans_world_from_rank0(mesh):
                 # scatter: each rank receives only its own run
                 return _ragged_distribute_tensor(src.to(device), mesh, placements, src_data_rank=0)
+            # Any other mesh (HSDP, TP/EP x dp, a dp mesh of a 2-D mesh that leaves out
+            # global rank 0): every rank takes the whole tensor from global rank 0 and cuts
+            # its piece locally. The choice depends only on facts every rank agrees on, so
+            # all ranks enter the same collective.
             dist.broadcast(src, src=0)
         return _ragged_distribute_tensor(src.to(device), mesh, placements, src_data_rank=None)
     if isinstance(like, DTensor):
@@ -281,7 +285,9 @@ def _shard_like(src: torch.Tensor, like: torch.Tensor, *, broadcast: bool) -> to
     return src.to(device)
 
 
-def _is_replicate(p) -> bool:
-    from torch.distributed.tensor import Replicate
-
-    return isinstance(p, Replicate)
+def _spans_world_from_rank0(mesh) -> bool:
+    """A 1-D mesh over the whole world whose first rank is global rank 0: rank 0 can
+    scatter each rank its run. Decided from the mesh's size, which is the same on every rank
+    (a dp sub-mesh of a 2-D mesh is smaller than the world on every rank; testing "is global
+    rank 0 in my group" instead would send the two dp groups into different collectives)."""
+    return mesh.ndim == 1 and mesh.size() == dist.get_world_size() and int(mesh.mesh.reshape(-1)[0]) == 0
