@@ -1,7 +1,7 @@
 """Checkpoints for RaggedShard models and optimizers.
 
 * ``dcp.save`` / ``dcp.load`` work directly on state dicts holding RaggedDTensors: each
-  rank's ragged run is described as a few rectangular boxes (``dcp_hooks``), so a
+  rank's ragged run is described as a few rectangular boxes (``placement/dcp.py``), so a
   checkpoint saved at one world size and granularity loads at any other, and into a plain
   unsharded model.
 * ``get_/set_model_state_dict``, ``get_/set_optimizer_state_dict``, ``get_/set_state_dict``:

@@ -284,17 +284,17 @@ class RaggedDTensor(DTensor):
 
     # -- torch.distributed.checkpoint hooks (the local run as a few boxes) --------------
     def __create_write_items__(self, fqn: str, object):
-        from ragged_fsdp.checkpoint.dcp_hooks import create_write_items
+        from .dcp import create_write_items
 
         return create_write_items(object, fqn)
 
     def __create_chunk_list__(self):
-        from ragged_fsdp.checkpoint.dcp_hooks import create_chunk_list
+        from .dcp import create_chunk_list
 
         return create_chunk_list(self)
 
     def __get_tensor_shard__(self, index):
-        from ragged_fsdp.checkpoint.dcp_hooks import get_tensor_shard
+        from .dcp import get_tensor_shard
 
         return get_tensor_shard(self, index)
 

@@ -1,4 +1,5 @@
-"""How a RaggedDTensor presents itself to ``torch.distributed.checkpoint`` (DCP).
+"""How a RaggedDTensor presents itself to ``torch.distributed.checkpoint`` (DCP): part of the
+placement (its DTensor dunders call this), so the placement never imports ``checkpoint``.
 
 DCP stores every tensor as a set of rectangular chunks of the global tensor and reshards
 by intersecting boxes. A RaggedShard local piece is one contiguous run of the row-major
@@ -34,7 +35,7 @@ def local_box_boxes(dt) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) boxes of the global tensor that this rank's run covers: boxes of
     the outer-local tensor (the TP/EP-local one, or the global one), shifted by where that
     tensor sits in the global tensor. HSDP replicas declare the same boxes (DCP keeps one)."""
-    from ragged_fsdp.placement.dtensor import outer_offsets, outer_shape, ragged_dim
+    from .dtensor import outer_offsets, outer_shape, ragged_dim
 
     spec = dt._spec
     d = ragged_dim(spec.placements)
