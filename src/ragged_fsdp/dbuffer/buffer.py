@@ -41,11 +41,10 @@ def _alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tenso
     version counter, so in-place writes through it are visible in ``_version``."""
     out = torch.empty(0, dtype=flat.dtype, device=flat.device)
     with torch.no_grad():
-        out.set_(flat.untyped_storage(), flat.storage_offset() + offset, tuple(shape), _stride(shape))
+        out.set_(flat.untyped_storage(), flat.storage_offset() + offset, tuple(shape), contiguous_stride(shape))
     return out
 
 
-_stride = contiguous_stride
 
 
 class DBuffer:

@@ -45,10 +45,6 @@ class DPMesh:
         """Data-parallel ranks a gradient is averaged over (shard x replicate)."""
         return self.shard.world_size * (self.replicate.world_size if self.replicate else 1)
 
-    @property
-    def shard_mesh(self) -> DeviceMesh:
-        return self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[1]]
-
     def dp_placements(self) -> tuple:
         """Placements of the dp dims, the RaggedShard slot as None."""
         return (None,) if self.replicate is None else (Replicate(), None)

@@ -709,40 +709,30 @@ class ParamGroup:
         instead and the sharded grads stay as they are, until a reduction that all-reduces
         (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
         buf, dp = self.buffers[b], self.buffer_dp[b]
-        earlier = self._partial.get(b)
-        had, existing = self._existing_grads(b)
-        if self.requires_all_reduce and earlier is None and not existing and grad.dtype == buf.dtype:
-            # the common case: reduce over shard straight into the new sharded gradient
-            # segment, all-reduce it in place, divide (no second segment, no copy)
-            target = buf.new_sharded_grad()
-            factor = float(self.gradient_divide_factor or dp.size)
-            first = reduce_scatter(self.dev, dp.shard, grad, target, False, 1.0)
-
-            def finish_in_place():
-                all_reduce_sum(dp.replicate, target)
-                target.mul_(1.0 / factor)
-
-            red = _Reduction(b, _ThenAllReduce(first, finish_in_place), target, touched, had, dp)
-            self.bwd.reduced.append(red)
-            self.ctx.in_flight.append(red)
-            return
-        partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
-        first = reduce_scatter(self.dev, dp.shard, grad, partial, False, 1.0)
         earlier = self._partial.pop(b, None)
         earlier_touched = self._partial_touched.pop(b, None)
         if earlier_touched is not None:
             touched = [x or y for x, y in zip(touched, earlier_touched)]
         if not self.requires_all_reduce:
+            partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+
             def keep():
                 if earlier is not None:
                     partial.add_(earlier)
                 self._partial[b] = partial
                 self._partial_touched[b] = touched
 
+            first = reduce_scatter(self.dev, dp.shard, grad, partial, False, 1.0)
             self.ctx.in_flight.append(_Reduction(b, _ThenAllReduce(first, keep), partial, touched, [], dp))
             return
+        had, existing = self._existing_grads(b)
         target = self._accumulation_target(b, existing) if existing else buf.new_sharded_grad()
+        # the common case (nothing accumulates, same dtype): reduce straight into the new
+        # sharded gradient segment and all-reduce it in place: no second segment, no copy
+        direct = earlier is None and not existing and grad.dtype == buf.dtype
+        partial = target if direct else torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
         factor = float(self.gradient_divide_factor or dp.size)
+        first = reduce_scatter(self.dev, dp.shard, grad, partial, False, 1.0)
 
         def finish():
             if earlier is not None:
@@ -750,9 +740,10 @@ class ParamGroup:
             all_reduce_sum(dp.replicate, partial)
             if existing:
                 target.add_(partial.to(target.dtype), alpha=1.0 / factor)
-            else:
+                return
+            if partial is not target:
                 target.copy_(partial)
-                target.mul_(1.0 / factor)
+            target.mul_(1.0 / factor)
 
         red = _Reduction(b, _ThenAllReduce(first, finish), target, touched, had, dp)
         self.bwd.reduced.append(red)

@@ -40,7 +40,6 @@ __all__ = [
 ]
 
 
-_contiguous_stride = contiguous_stride
 
 
 def ragged_dim(placements: Sequence) -> int:
@@ -76,7 +75,7 @@ def make_spec(
             "the other placements)"
         )
     placements[d].check(_outer_shape(mesh, placements, shape), mesh.size(d))
-    meta = TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype)
+    meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype)
     return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 

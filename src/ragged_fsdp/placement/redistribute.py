@@ -24,9 +24,7 @@ from ragged_fsdp.comm import all_gather_runs, all_to_all_flat, contiguous_stride
 
 from .ragged_shard import RaggedShard
 
-__all__ = ["redistribute", "overlap_splits", "chunk_ranges", "all_gather_flat"]
-
-all_gather_flat = all_gather_runs  # the name callers used before comm.py held it
+__all__ = ["redistribute", "overlap_splits", "chunk_ranges"]
 
 Ranges = Sequence[tuple[int, int]]
 
@@ -146,7 +144,7 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
     # Ragged source to one of torch's placements.
     src_ranges = element_ranges(src._spec)
     if all(isinstance(p, Replicate) for p in placements):
-        full = all_gather_flat(local.reshape(-1), src_ranges, group).view(shape)
+        full = all_gather_runs(local.reshape(-1), src_ranges, group).view(shape)
         return DTensor.from_local(full, mesh, placements, run_check=False, shape=torch.Size(shape),
                                   stride=full.stride())
     if isinstance(dst_p, Shard) and dst_p.dim == 0 and shape:
@@ -156,8 +154,8 @@ def _redistribute(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTensor:
         rows = (dst_ranges[rank][1] - dst_ranges[rank][0]) // max(1, _inner(shape))
         out = out.view((rows,) + shape[1:])
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                  stride=_stride(shape))
-    full = all_gather_flat(local.reshape(-1), src_ranges, group).view(shape)
+                                  stride=contiguous_stride(shape))
+    full = all_gather_runs(local.reshape(-1), src_ranges, group).view(shape)
     return torch_distribute_tensor(full, mesh, placements, src_data_rank=None)
 
 
@@ -169,9 +167,9 @@ def _redistribute_nd(src: DTensor, mesh: DeviceMesh, placements: tuple) -> DTens
     if isinstance(src, RaggedDTensor):
         spec = src._spec
         d = ragged_dim(spec.placements)
-        outer = all_gather_flat(src._local_tensor.reshape(-1), element_ranges(spec), mesh.get_group(d))
+        outer = all_gather_runs(src._local_tensor.reshape(-1), element_ranges(spec), mesh.get_group(d))
         src = DTensor.from_local(outer.view(outer_shape(spec)), mesh, outer_placements(spec), run_check=False,
-                                 shape=shape, stride=_stride(tuple(shape)))
+                                 shape=shape, stride=contiguous_stride(tuple(shape)))
     if not any(isinstance(p, RaggedShard) for p in placements):
         return src if tuple(src.placements) == placements else src.redistribute(mesh, placements)
     spec = make_spec(mesh, placements, tuple(shape), src.dtype)
@@ -188,4 +186,3 @@ def _inner(shape):
     return n
 
 
-_stride = contiguous_stride
