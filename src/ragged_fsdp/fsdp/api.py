@@ -58,6 +58,11 @@ def fully_shard(
     :class:`FSDPModule`. See torch's ``fully_shard`` for ``reshard_after_forward``,
     ``mp_policy``, ``offload_policy`` and ``ignored_params``.
 
+    Meshes, as torch's: 1-D (FSDP), 2-D ``(replicate, shard)`` (HSDP), TP/EP DTensor
+    parameters on a sibling mesh, ``shard_placement_fn`` returning torch's
+    ``ShardPlacementResult`` (a per-parameter data-parallel mesh; a plain ``Shard`` leaves the
+    layout to the planner) and ``dp_mesh_dims`` with the full SPMD mesh (``fsdp/mesh_info.py``).
+
     ``all_gather_quant=ragged_fsdp.BlockFP8(tile=(128, 128), dtype=torch.float8_e4m3fn)``
     gathers the eligible weights (floating, >= 2 dims, at least one tile, not biases) as fp8
     codes plus one fp32 scale per tile: each rank quantises its own whole tiles of the
@@ -104,18 +109,20 @@ def fully_shard(
         for name, p, _ in params:
             own = shard_placement_mesh(shard_placement_fn(p), dp, meshes) if shard_placement_fn else dp
             placed.append(place_param(name, p, own))
+        if not isinstance(raf, bool) and (
+            any(pl.dp is not dp for pl in placed) or dp.replicate is not None or dp.spmd_mesh is not None
+        ):
+            # node groups are made by every rank for every node of one 1-D mesh
+            raise NotImplementedError(
+                f"fully_shard: reshard_after_forward={raf} (an int) works on a 1-D data-parallel "
+                "mesh; with HSDP, dp_mesh_dims or per-parameter meshes pass True or False"
+            )
         group = ParamGroup(
             params, modules, placed, where, device_for(device), mp_policy,
             granularity_fn, raf, all_gather_quant=all_gather_quant,
         )
         state.group = group
         if not isinstance(raf, bool):
-            if any(d is not dp for d in group.buffer_dp) or dp.replicate is not None or dp.spmd_mesh is not None:
-                # node groups are made by every rank for every node of one 1-D mesh
-                raise NotImplementedError(
-                    f"fully_shard: reshard_after_forward={raf} (an int) works on a 1-D data-parallel "
-                    "mesh; with HSDP, dp_mesh_dims or per-parameter meshes pass True or False"
-                )
             for b in range(len(group.buffers)):
                 group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
