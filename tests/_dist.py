@@ -203,3 +203,31 @@ def compare_training(
         err = (full(p).detach() - named_ref[name].detach()).abs().max().item()
         assert err <= param_atol, f"{name}: max |param - reference| = {err:.2e} > {param_atol}"
     return model, ref
+
+
+def snapshot(model, opt) -> dict:
+    """Every parameter and optimizer state as a full plain tensor, by parameter name
+    (collective when the model is sharded: call on every rank)."""
+    import torch
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    states = {}
+    for p, st in opt.state.items():
+        states[names[id(p)]] = {k: full(v).detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+    return {"model": params, "optim": states}
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    """Nested dicts of tensors equal bitwise (same keys, dtypes and shapes)."""
+    import torch
+
+    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:10]}"
+    for k in want:
+        if isinstance(want[k], dict):
+            assert_same(got[k], want[k], f"{what}.{k}")
+            continue
+        a, b = got[k], want[k]
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{what}.{k}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
+        assert torch.equal(a, b), f"{what}.{k}: values differ (max |diff| {(a.double() - b.double()).abs().max().item():.3e})"

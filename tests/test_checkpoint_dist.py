@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from _dist import run_cases
+from _dist import assert_same as _assert_same, snapshot as _snapshot
 
 ENV = "RAGGED_CKPT_TEST_DIR"
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -104,34 +105,6 @@ def _train(model, opt, start, steps, rank, world):
         dist.all_reduce(total)
         losses.append(total.item())
     return losses
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _snapshot(model, opt):
-    """Every tensor as a full plain tensor: parameters by name, optimizer states by the
-    parameter's name (collective: call on every rank)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    states = {}
-    for p, st in opt.state.items():
-        states[names[id(p)]] = {k: _full(v).detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    return {"model": params, "optim": states}
-
-
-def _assert_same(got, want, what):
-    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))}"
-    for k in want:
-        if isinstance(want[k], dict):
-            _assert_same(got[k], want[k], f"{what}.{k}")
-            continue
-        a, b = got[k], want[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{what}.{k}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{what}.{k}: values differ (max |diff| {(a.double() - b.double()).abs().max().item():.3e})"
 
 
 def _warm_state(model, opt):

@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from _dist import check_case, run_cases  # noqa: E402
+from _dist import assert_same as _assert_same, snapshot as _snapshot  # noqa: E402
 
 WORLD = 4
 ENV = "RAGGED_CKPT_MESH_DIR"
@@ -150,35 +151,6 @@ def _train(model, opt, arch, dp_index, steps=STEPS, seed=0):
         loss_fn(model, tokens[lo:lo + 2], targets[lo:lo + 2]).backward()
         opt.step()
         opt.zero_grad()
-
-
-def _full(t):
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def _snapshot(model, opt):
-    """Every parameter and optimizer state as a full plain tensor, by parameter name
-    (collective when the model is sharded)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = {n: _full(p).detach().clone() for n, p in model.named_parameters()}
-    states = {}
-    for p, st in opt.state.items():
-        states[names[id(p)]] = {k: _full(v).detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-    return {"model": params, "optim": states}
-
-
-def _assert_same(got, want, what):
-    assert set(got) == set(want), f"{what}: keys differ: {sorted(set(got) ^ set(want))[:10]}"
-    for k in want:
-        if isinstance(want[k], dict):
-            _assert_same(got[k], want[k], f"{what}.{k}")
-            continue
-        a, b = got[k], want[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, (
-            f"{what}.{k}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}")
-        assert torch.equal(a, b), f"{what}.{k}: values differ (max |diff| {(a.double() - b.double()).abs().max().item():.3e})"
 
 
 def _fresh(model):
