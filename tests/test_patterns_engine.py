@@ -22,6 +22,79 @@ from ragged_fsdp.fsdp.device import _in_flight, drain
 from ragged_fsdp.models.llama import Llama
 
 
+
+# -- the root's norm + head buffer, reduced and freed as soon as their backward ran ---------
+def _record_reductions(model):
+    """(group, buffer, early, head storage still allocated) per reduction, in issue order."""
+    from ragged_fsdp.fsdp.init import state_of
+
+    log = []
+    root = state_of(model).group
+    head_buf = root.infos[[i.fqn for i in root.infos].index("output.weight")].buffer
+    for st in state_of(model).ctx.all_states:
+        g = st.group
+        orig = g._reduce
+
+        def rec(b, grad, touched, early=False, _g=g, _o=orig):
+            log.append((_g.fqn or "root", b, early, root.buffers[head_buf].unsharded_allocated))
+            return _o(b, grad, touched, early)
+
+        g._reduce = rec
+    return log, head_buf
+
+
+def case_root_head_reduced_early(rank, world):
+    rec = []
+
+    def step(m, t, y, distributed):
+        logits = m(t)
+        if distributed and not rec:  # after the first forward: the root knows its groups
+            rec.append(_record_reductions(m))
+        _ce(logits, y).backward()
+
+    compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step)
+    log, head_buf = rec[0]
+    first = log[0]
+    # the first reduction of a step is the root's norm+head buffer, issued before any block's,
+    # with its unsharded parameters already freed; the embedding's comes last
+    assert first[:3] == ("root", head_buf, True), log[:4]
+    assert not first[3], "the head's unsharded parameters were still allocated at its early reduction"
+    assert log[-1][0] == "root" and log[-1][1] != head_buf and not log[-1][2], log[-4:]
+    assert sum(1 for r in log if r[0] == "root" and r[1] == head_buf) == 3, "one head reduction per step"
+
+
+class _HeadRowScaled(Llama):
+    """Reads ``output.weight`` outside the head module, at the start of forward, so that
+    part of its gradient arrives at the very end of backward. ``saves``: by a multiply
+    (autograd saves the weight slice: it must stay gathered) or an add (nothing saved)."""
+
+    def __init__(self, cfg, saves: bool):
+        super().__init__(cfg)
+        self.saves = saves
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        row = self.output.weight[0, : h.shape[-1]]
+        h = h + h * row if self.saves else h + row  # mul saves the slice of the weight
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+
+def _late_head_grad(rank, world, saves: bool):
+    def step(m, t, y, distributed):
+        _ce(m(t), y).backward()
+
+    compare_steps(rank, world, lambda: _HeadRowScaled(_tiny(), saves), _wrap_blocks, step)
+
+
+def case_head_weight_read_outside_its_module_saved(rank, world):
+    _late_head_grad(rank, world, saves=True)
+
+
+def case_head_weight_read_outside_its_module_unsaved(rank, world):
+    _late_head_grad(rank, world, saves=False)
+
 # -- several backward passes per step -------------------------------------------------------
 def _two_losses_retain_graph(m, t, y, distributed):
     logits = m(t)
@@ -268,6 +341,9 @@ CASES = [
     case_compile_inductor,
     case_meta_init_list_group_to_empty,
     case_unconsumed_prefetch_is_drained,
+    case_root_head_reduced_early,
+    case_head_weight_read_outside_its_module_saved,
+    case_head_weight_read_outside_its_module_unsaved,
 ]
 
 

@@ -157,7 +157,10 @@ def reduce_scatter(
         # its own piece, which stays in `grad`).
         r = comm.rank
         own = grad.narrow(0, r * S, S)
-        received = torch.empty((W - 1) * S, dtype=grad.dtype, device=grad.device)
+        # W == 2: the one piece received can land in the target itself (own + piece is the
+        # same sum either way round), so no receive buffer the size of the segment
+        into_target = W == 2 and not accumulate and target.dtype == grad.dtype
+        received = target if into_target else torch.empty((W - 1) * S, dtype=grad.dtype, device=grad.device)
         lower = [S] * r + [0] * (W - r)  # to / from ranks below r
         upper = [0] * (r + 1) + [S] * (W - r - 1)  # to / from ranks above r
 
@@ -171,7 +174,10 @@ def reduce_scatter(
             return _Both(w1, w2)
 
         def post():
-            _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
+            if into_target:
+                target.add_(own).mul_(1.0 / factor)
+            else:
+                _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
 
         return device.launch(lane, issue, post=post, keep=(grad, received, target))
 

@@ -96,6 +96,7 @@ class _Reduction:
     touched: list[bool]  # per slot: got a gradient on this rank
     had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
     dp: DPMesh | None = None  # the ranks it reduced over (its flags are combined over them)
+    early: bool = False  # issued before the group's post-backward (see ParamGroup._buffer_done)
 
 
 class _ThenAllReduce:
@@ -128,6 +129,11 @@ class _Forward:
     seen: int = 0  # tensors autograd saved during the group's forward calls
     saved: set[int] = field(default_factory=set)  # buffers whose storage was saved
     unknown: bool = False  # a call ran without the watch (other hooks active) or saw opaque tensors
+    outside: set[int] = field(default_factory=set)  # buffers saved outside their owner modules' calls
+    # per buffer reduced on its own (see ParamGroup._buffer_done): calls of its owner
+    # modules with a PostBackward node on their inputs, and buffers some call left blind
+    buffer_calls: dict[int, int] = field(default_factory=dict)
+    buffer_blind: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -138,6 +144,8 @@ class _Backward:
     deferred_prefetch: "ParamGroup | None" = None  # the root's: issued at its first gradient
     post_forward_indices: list[int] = field(default_factory=list)
     reduced: list[_Reduction] = field(default_factory=list)  # reductions issued in it
+    buffer_fired: dict[int, int] = field(default_factory=dict)  # owner-module PostBackward firings
+    early: set[int] = field(default_factory=set)  # buffers reduced before the group's post-backward
 
 
 def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -277,6 +285,35 @@ class ParamGroup:
                 info = ParamInfo(name, b, j, owners, sharded, unsharded_spec=pl.unsharded_spec, dp_dims=pl.dp_dims)
                 info.register(sharded)
                 self.infos.append(info)
+        self._hook_owner_modules()
+
+    def _hook_owner_modules(self) -> None:
+        """A group with several trainable buffers (the root: embedding apart from the norm and
+        head) may finish one long before the others. Each owner module of such a buffer gets
+        a PostBackward node on its inputs, so the buffer can be reduced and freed as soon as
+        all its owners' backward ran (see :meth:`_buffer_done`). Buffers that a top module of
+        the group registers directly, or an embedding weight (whose input is token ids), are
+        left to the group's post-backward."""
+        self._early_buffers: list[int] = []  # buffers _buffer_done may reduce before the post-backward
+        trainable = [b for b in range(len(self.buffers))
+                     if any(i.buffer == b and i.sharded.requires_grad for i in self.infos)]
+        if len(trainable) < 2:
+            return
+        tops = {id(m) for m in self.modules}
+        by_module: dict[int, tuple[nn.Module, list[int]]] = {}
+        for b in trainable:
+            if b in self._embedding_buffers:
+                continue
+            owners = {id(m): m for i in self.infos if i.buffer == b for m, _ in i.owners}
+            if tops & owners.keys():
+                continue
+            for k, m in owners.items():
+                by_module.setdefault(k, (m, []))[1].append(b)
+        for m, bs in by_module.values():
+            hook = _eager(functools.partial(self._owner_pre_forward, tuple(bs)))
+            m.register_forward_pre_hook(hook, with_kwargs=True)
+            m.register_forward_hook(_eager(functools.partial(self._owner_post_forward, tuple(bs))), always_call=True)
+        self._early_buffers = sorted({b for _, bs in by_module.values() for b in bs})
 
     def _plan(self, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
         """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
@@ -330,6 +367,7 @@ class ParamGroup:
                 p.grad_dtype = buf.reduce_dtype
             if p.requires_grad:
                 p.register_hook(functools.partial(self._on_grad, info))
+                p.register_post_accumulate_grad_hook(self._after_grad)
         elif p.requires_grad != info.sharded.requires_grad:
             p.requires_grad_(info.sharded.requires_grad)
         return p
@@ -500,10 +538,10 @@ class ParamGroup:
             self.fwd.unknown = True
 
     def _start_watch(self) -> None:
-        if not self._embedding_buffers or self._watch is not None:
+        if not (self._embedding_buffers or self._early_buffers) or self._watch is not None:
             return
         storages = {self.buffers[b].unsharded.untyped_storage().data_ptr(): b
-                    for b in self._embedding_buffers if b not in self._freed}
+                    for b in sorted(self._embedding_buffers | set(self._early_buffers)) if b not in self._freed}
         self._watch = start_watch(storages)
         if self._watch is None:
             self.fwd.unknown = True
@@ -515,6 +553,7 @@ class ParamGroup:
         stop_watch(w)
         self.fwd.seen += w.seen
         self.fwd.saved |= w.hit
+        self.fwd.outside |= w.outside
         self.fwd.unknown |= w.opaque
 
     def post_forward(self) -> None:
@@ -544,10 +583,10 @@ class ParamGroup:
             i = self.bwd.post_forward_indices.pop()
             if i > 0:
                 nxt = self.ctx.post_forward_order[i - 1]
-                if self._is_root_group():
-                    # the root's pre-backward fires on the loss, before the loss's own backward
-                    # (logits-sized temporaries): gather the next group at the root's first
-                    # gradient instead, when those temporaries are gone
+                if self._is_root_group() and any(i.sharded.requires_grad for i in self.infos):
+                    # the root's pre-backward fires on its output's gradient, while the loss's
+                    # logits-sized temporaries may still be live: gather the next group once
+                    # the root's first gradient is in (see _after_grad)
                     self.bwd.deferred_prefetch = nxt
                 else:
                     nxt.prefetch(TrainingState.PRE_BACKWARD)
@@ -585,10 +624,14 @@ class ParamGroup:
                 p.grad = alias
             else:
                 self._fold_foreign_grad(info)
+        return grad
+
+    def _after_grad(self, param: torch.Tensor) -> None:
+        """After autograd added a gradient into the buffer: issue the backward prefetch this
+        group deferred (see pre_backward)."""
         nxt, self.bwd.deferred_prefetch = self.bwd.deferred_prefetch, None
         if nxt is not None:
             nxt.prefetch(TrainingState.PRE_BACKWARD)
-        return grad
 
     def _fold_foreign_grad(self, info: ParamInfo) -> None:
         """A gradient autograd made on its own (no alias was set): add it into the buffer."""
@@ -605,6 +648,83 @@ class ParamGroup:
             alias.add_(g.reshape(alias.shape).to(alias.dtype))
         if info.unsharded_spec is None:
             p.grad = alias
+
+    def _owner_pre_forward(self, bs: tuple[int, ...], module, args, kwargs):
+        """A call of a module owning parameters of buffers ``bs`` (see _hook_owner_modules)."""
+        if in_backward() or not torch.is_grad_enabled():
+            return None  # a recomputation, or no backward will follow this call
+        f = self.fwd
+        w = self._watch
+        if w is not None:
+            for b in bs:
+                w.inside[b] = w.inside.get(b, 0) + 1
+        attached = False
+        if self.training_state is TrainingState.FORWARD:
+            args, kwargs, attached = attach_post_backward(functools.partial(self._buffer_done, bs), args, kwargs)
+        for b in bs:
+            if attached:
+                f.buffer_calls[b] = f.buffer_calls.get(b, 0) + 1
+            else:  # outside the group's forward, or inputs that need no grad: unseen
+                f.buffer_blind.add(b)
+        return (args, kwargs) if attached else None
+
+    def _owner_post_forward(self, bs: tuple[int, ...], module, args, output) -> None:
+        w = self._watch
+        if w is not None and not in_backward() and torch.is_grad_enabled():
+            for b in bs:
+                if w.inside.get(b):
+                    w.inside[b] -= 1
+
+    def _buffer_done(self, bs: tuple[int, ...]) -> None:
+        """One owner-module call of buffers ``bs`` finished its backward. When every such
+        call of a buffer did, its gradients are complete: a blind group (the root, whose own
+        post-backward waits for the end of backward) reduces it now and frees its unsharded
+        parameters, instead of holding both through the rest of backward."""
+        for b in bs:
+            n = self.bwd.buffer_fired[b] = self.bwd.buffer_fired.get(b, 0) + 1
+            if n == self.fwd.buffer_calls.get(b, 0) and b not in self.fwd.buffer_blind:
+                self._reduce_early(b)
+
+    def _reduce_early(self, b: int) -> None:
+        buf = self.buffers[b]
+        if (not self.fwd.blind or self.training_state is not TrainingState.PRE_BACKWARD
+                or not self.reduce_grads or b in self.bwd.early or buf.grad is None
+                or (self.buffer_dp[b].replicate is not None and not self.requires_all_reduce)):
+            return
+        with record_function("ragged_fsdp::reduce_early"):
+            mine = [i for i in self.infos if i.buffer == b]
+            for info in mine:
+                p = info.unsharded
+                if p is not None and p.grad is not None and (info.unsharded_spec is not None
+                                                             or p.grad is not buf.grad_view(info.slot)):
+                    self._fold_foreign_grad(info)
+            self.ctx.retire_reductions(keep=0)
+            touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
+            grad = buf.take_grad()
+            for info in mine:
+                if info.unsharded is not None:
+                    info.unsharded.grad = None
+            f = self.fwd
+            # free its unsharded parameters too, unless autograd may still read them: saved
+            # outside the owner modules, or the watch could not see every save
+            if (self.reshard_after_backward and self.is_unsharded and f.seen > 0 and not f.unknown
+                    and b not in f.outside):
+                self._free_buffers({b})
+            self.bwd.early.add(b)
+            self._reduce(b, grad, touched, early=True)
+            if not self.dev.overlap_reductions:
+                self.ctx.retire_reductions(keep=0)
+
+    def _take_earlier(self, b: int) -> _Reduction | None:
+        """This backward's earlier reduction of buffer ``b`` (finished now), if any: a
+        gradient that arrived after an early reduction is added into its segment."""
+        for k, r in enumerate(self.bwd.reduced):
+            if r.buffer == b:
+                r.pending.wait()
+                self.ctx.in_flight = [x for x in self.ctx.in_flight if x is not r]
+                del self.bwd.reduced[k]
+                return r
+        return None
 
     def _post_backward_from_autograd(self) -> None:
         self.bwd.fired += 1
@@ -656,7 +776,7 @@ class ParamGroup:
         starts = []
         for b, buf in enumerate(self.buffers):
             if buf.grad is None:
-                if not any(i.buffer == b and i.sharded.requires_grad for i in self.infos):
+                if b in self.bwd.early or not any(i.buffer == b and i.sharded.requires_grad for i in self.infos):
                     continue
                 buf.alloc_grad()  # every rank reduces the same buffers, used here or not
             touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
@@ -672,16 +792,25 @@ class ParamGroup:
         if not self.dev.overlap_reductions:
             self.ctx.retire_reductions(keep=0)
 
-    def _reduce(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
+    def _reduce(self, b: int, grad: torch.Tensor, touched: list[bool], early: bool = False) -> None:
         buf = self.buffers[b]
         dp = self.buffer_dp[b]
+        prev = self._take_earlier(b)
+        if prev is not None:  # late gradients of an early-reduced buffer: add them in
+            touched = [x or y for x, y in zip(touched, prev.touched)]
         if dp.replicate is not None:
-            return self._reduce_hsdp(b, grad, touched)
+            return self._reduce_hsdp(b, grad, touched, prev, early)
+        if prev is not None:
+            pending = reduce_scatter(self.dev, dp.shard, grad, prev.target, True, self.gradient_divide_factor)
+            red = _Reduction(b, pending, prev.target, touched, prev.had_grad, dp, early=True)
+            self.bwd.reduced.append(red)
+            self.ctx.in_flight.append(red)
+            return
         had, existing = self._existing_grads(b)
         if not existing:
             if buf.world_size == 1 and grad.dtype == buf.dtype and self.gradient_divide_factor is None:
                 # nothing to reduce: the unsharded gradient buffer is the sharded one
-                red = _Reduction(b, Pending(), grad, touched, had, dp)
+                red = _Reduction(b, Pending(), grad, touched, had, dp, early=early)
                 self.bwd.reduced.append(red)
                 return
             target, accumulate = buf.new_sharded_grad(), False
@@ -689,7 +818,7 @@ class ParamGroup:
             target = self._accumulation_target(b, existing)
             accumulate = True
         pending = reduce_scatter(self.dev, dp.shard, grad, target, accumulate, self.gradient_divide_factor)
-        red = _Reduction(b, pending, target, touched, had, dp)
+        red = _Reduction(b, pending, target, touched, had, dp, early=early)
         self.bwd.reduced.append(red)
         self.ctx.in_flight.append(red)
 
@@ -702,7 +831,8 @@ class ParamGroup:
                 existing[info.slot] = info.sharded.grad
         return had, existing
 
-    def _reduce_hsdp(self, b: int, grad: torch.Tensor, touched: list[bool]) -> None:
+    def _reduce_hsdp(self, b: int, grad: torch.Tensor, touched: list[bool], prev: _Reduction | None = None,
+                     early: bool = False) -> None:
         """HSDP: sum over the shard dim into a fresh segment (one reduce-scatter), then, once
         that is done, sum over the replicate dim (one all-reduce) and divide by every data-
         parallel rank. With ``set_requires_all_reduce(False)`` the shard-dim sums pile up
@@ -726,7 +856,11 @@ class ParamGroup:
             self.ctx.in_flight.append(_Reduction(b, _ThenAllReduce(first, keep), partial, touched, [], dp))
             return
         had, existing = self._existing_grads(b)
-        target = self._accumulation_target(b, existing) if existing else buf.new_sharded_grad()
+        if prev is not None:  # late gradients: add into the early reduction's segment
+            had, existing, early = prev.had_grad, {-1: prev.target}, True
+            target = prev.target
+        else:
+            target = self._accumulation_target(b, existing) if existing else buf.new_sharded_grad()
         # the common case (nothing accumulates, same dtype): reduce straight into the new
         # sharded gradient segment and all-reduce it in place: no second segment, no copy
         direct = earlier is None and not existing and grad.dtype == buf.dtype
@@ -745,7 +879,7 @@ class ParamGroup:
                 target.copy_(partial)
             target.mul_(1.0 / factor)
 
-        red = _Reduction(b, _ThenAllReduce(first, finish), target, touched, had, dp)
+        red = _Reduction(b, _ThenAllReduce(first, finish), target, touched, had, dp, early=early)
         self.bwd.reduced.append(red)
         self.ctx.in_flight.append(red)
 
@@ -853,11 +987,22 @@ def hand_out_grads(groups: list[ParamGroup]) -> None:
         dp = items[0][1].dp
         g0 = items[0][0]
         device = g0.device if g0.device.type != "meta" else None
-        flags = torch.tensor([int(f) for _, r in items for f in r.touched], dtype=torch.int32, device=device)
+        # per reduction, also (early, not early): every rank must have issued it at the same
+        # point, or the collectives paired different buffers; MAX makes a mismatch show as (1, 1)
+        early = [v for _, r in items for v in (int(r.early), 1 - int(r.early))]
+        flags = torch.tensor([int(f) for _, r in items for f in r.touched] + early, dtype=torch.int32, device=device)
         for comm in (dp.shard, dp.replicate):
             if comm is not None and comm.world_size > 1 and flags.numel():
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
         got = flags.tolist()
+        mixed = [r for k, (_, r) in enumerate(items) if got[len(got) - len(early) + 2 * k: len(got) - len(early) + 2 * k + 2] == [1, 1]]
+        if mixed:
+            g = next(g for g, r in items if r is mixed[0])
+            raise RuntimeError(
+                f"ragged_fsdp: the gradient reduction of {g._describe()} (buffer {mixed[0].buffer}) ran early on some "
+                "ranks and at the end of backward on others, so the collectives of that backward paired different "
+                "buffers. The modules owning its parameters must run (with inputs that need grad) on every rank; "
+                "wrap the ones that run on some ranks only in their own fully_shard.")
         k = 0
         for g, r in items:
             n = len(r.touched)

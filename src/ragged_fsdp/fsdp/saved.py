@@ -6,6 +6,10 @@ only the indices. During the group's forward a saved-tensor pack hook records th
 every tensor autograd saves; a buffer none of whose storage was saved need not be gathered
 again for backward. Storage, not tensor identity: views (``weight.t()``, slices) share it.
 
+The same watch tells whether a buffer was saved *outside* the modules that own its
+parameters (a weight read directly by another module's code): such a buffer must stay
+gathered until the end of backward, even when its owners' backward has finished.
+
 The watch is pushed only where no foreign saved-tensor hooks are active (activation
 checkpointing installs its own and would no longer see the tensors), and a group that saw
 no saved tensor at all (its forward ran inside a checkpoint: the checkpoint's hooks took
@@ -27,6 +31,8 @@ class SavedWatch:
         self.seen = 0  # tensors saved while the watch was on top
         self.hit: set[int] = set()  # buffers a saved tensor lives in
         self.opaque = False  # a saved tensor whose storage could not be read
+        self.inside: dict[int, int] = {}  # buffer -> depth of its owner-module calls running now
+        self.outside: set[int] = set()  # buffers saved while none of their owner modules ran
 
     def pack(self, t: torch.Tensor):
         self.seen += 1
@@ -38,6 +44,8 @@ class SavedWatch:
         b = self.storages.get(ptr)
         if b is not None:
             self.hit.add(b)
+            if not self.inside.get(b):
+                self.outside.add(b)
         return t
 
     @staticmethod
