@@ -63,6 +63,24 @@ def case_root_head_reduced_early(rank, world):
     assert sum(1 for r in log if r[0] == "root" and r[1] == head_buf) == 3, "one head reduction per step"
 
 
+def case_early_reduction_mismatch_is_an_error(rank, world):
+    """If ranks disagree on which reductions ran early (an owner module run on some ranks
+    only), the end-of-backward flag all-reduce sees it and every rank raises. Simulated:
+    rank 0 labels the embedding's end-of-backward reduction as early."""
+    from ragged_fsdp.fsdp.init import state_of
+
+    torch.manual_seed(0)
+    model = _wrap_blocks(Llama(_tiny()), cpu_mesh(world))
+    t = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    logits = model(t)
+    root = state_of(model).group
+    if rank == 0:
+        orig = root._reduce
+        root._reduce = lambda b, grad, touched, early=False: orig(b, grad, touched, True)
+    with pytest.raises(RuntimeError, match="ran early on some ranks"):
+        _ce(logits, t).backward()
+
+
 class _HeadRowScaled(Llama):
     """Reads ``output.weight`` outside the head module, at the start of forward, so that
     part of its gradient arrives at the very end of backward. ``saves``: by a multiply
@@ -344,6 +362,7 @@ CASES = [
     case_root_head_reduced_early,
     case_head_weight_read_outside_its_module_saved,
     case_head_weight_read_outside_its_module_unsaved,
+    case_early_reduction_mismatch_is_an_error,
 ]
 
 
