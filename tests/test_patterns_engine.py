@@ -63,6 +63,25 @@ def case_root_head_reduced_early(rank, world):
     assert sum(1 for r in log if r[0] == "root" and r[1] == head_buf) == 3, "one head reduction per step"
 
 
+class _CheckpointedHead(Llama):
+    """Norm and head under activation checkpointing (recomputed inside backward)."""
+
+    def forward(self, tokens):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return checkpoint(lambda x: self.output(self.norm(x)), h, use_reentrant=False)
+
+
+def case_checkpointed_head_early_reduction(rank, world):
+    def step(m, t, y, distributed):
+        _ce(m(t), y).backward()
+
+    compare_steps(rank, world, lambda: _CheckpointedHead(_tiny()), _wrap_blocks, step)
+
+
 def case_early_reduction_mismatch_is_an_error(rank, world):
     """If ranks disagree on which reductions ran early (an owner module run on some ranks
     only), the end-of-backward flag all-reduce sees it and every rank raises. Simulated:
@@ -363,6 +382,7 @@ CASES = [
     case_head_weight_read_outside_its_module_saved,
     case_head_weight_read_outside_its_module_unsaved,
     case_early_reduction_mismatch_is_an_error,
+    case_checkpointed_head_early_reduction,
 ]
 
 

@@ -658,6 +658,8 @@ class ParamGroup:
         if w is not None:
             for b in bs:
                 w.inside[b] = w.inside.get(b, 0) + 1
+            if not watching(w):  # someone else's saved-tensor hooks (a checkpoint) hide the saves
+                f.outside.update(bs)
         attached = False
         if self.training_state is TrainingState.FORWARD:
             args, kwargs, attached = attach_post_backward(functools.partial(self._buffer_done, bs), args, kwargs)
