@@ -56,6 +56,9 @@ class Lifetimes:
     # rank): freed after forward even in a kept group, not gathered for backward, their
     # gradients allocated only when they arrive (the end of backward)
     embedding_apart: bool = False
+    # the root's other buffer (norm, head) is reduced and freed as soon as their backward
+    # ran (the start of backward), not with the embedding at the end
+    root_early: bool = False
 
 
 def _ragged_grads(g: GroupLayout, rb: int, backend: str) -> dict:
@@ -66,8 +69,9 @@ def _ragged_grads(g: GroupLayout, rb: int, backend: str) -> dict:
 def _ragged_reduce(g: GroupLayout, rb: int, backend: str) -> dict:
     if g.shard_world == 1:
         return {}
-    if backend == "gloo":  # all-to-all receives (W-1)*S, summed into the sharded grad
+    if backend == "gloo" and g.shard_world > 2:  # all-to-all receives (W-1)*S, summed into the sharded grad
         return {"all-to-all receive ((W-1)*S)": (g.shard_world - 1) * g.segment * rb}
+    # (gloo at W = 2: the one piece received lands in the sharded gradient itself)
     return {}  # NCCL reduce_scatter_single writes straight into the sharded gradient
 
 
@@ -78,6 +82,7 @@ RAGGED = Lifetimes(
     grads=_ragged_grads,
     reduce_temp=_ragged_reduce,
     embedding_apart=True,
+    root_early=True,
 )
 
 FSDP2 = Lifetimes(

@@ -9,7 +9,7 @@ the framework's gradient and reduction buffers (:mod:`.buffers`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .buffers import LIFETIMES
 from .layout import GroupLayout
@@ -118,6 +118,21 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         pending = {f"{k} ({L[root].name}, pending)": v for k, v in life.grads(L[root], m.rb, m.backend).items()}
         if life.embedding_apart and L[root].apart:  # the embedding's gradients come at the very end
             pending = {k: v - apart(root, m.rb) for k, v in pending.items()}
+    early = root is not None and life.root_early and life.embedding_apart and 0 < L[root].apart < L[root].segment
+    if early:
+        # the root's norm and head: reduced right after their backward, before any block's,
+        # and their unsharded buffer freed; only the embedding's part stays for the end
+        g = L[root]
+        head = replace(g, segment=g.segment - g.apart, apart=0)
+        red = dict(base, **{f"kept gathered {L[j].name}": kept_gathered(j) for j in kept},
+                   **{"saved activations": acts, "sharded grads (reduced so far)": reduced},
+                   **{f"{k} ({g.name} norm+head)": v for k, v in life.grads(head, m.rb, m.backend).items()},
+                   **life.reduce_temp(head, m.rb, m.backend))
+        red["sharded grad (new)"] = head.segment * m.gb
+        phases[f"reduce {g.name} (norm+head, early)"] = red
+        reduced += head.segment * m.gb
+        pending = {}
+        kept.pop(root, None)
     back = [i for i in reversed(range(n)) if i != root]
     for pos, i in enumerate(back):
         g = L[i]
@@ -144,7 +159,16 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         phases[f"reduce {g.name}"] = red
         acts -= m.act_saved[i]
         reduced += (g.segment + g.persistent) * m.gb
-    if root is not None:
+    if early:  # the embedding's gradients, arrived at the very end
+        g = L[root]
+        emb = replace(g, segment=g.apart, apart=0)
+        red = dict(base, **{f"{k} ({g.name} embedding)": v for k, v in life.grads(emb, m.rb, m.backend).items()})
+        red["sharded grads (reduced so far)"] = reduced
+        red.update(life.reduce_temp(emb, m.rb, m.backend))
+        red["sharded grad (new)"] = emb.segment * m.gb
+        phases[f"reduce {g.name} (embedding)"] = red
+        reduced += emb.segment * m.gb
+    elif root is not None:
         g = L[root]
         red = dict(base, **{f"gathered {g.name}": kept_gathered(root)},
                    **{k: v + apart(root, m.rb) for k, v in pending.items()})
