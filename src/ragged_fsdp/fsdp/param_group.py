@@ -583,7 +583,7 @@ class ParamGroup:
             i = self.bwd.post_forward_indices.pop()
             if i > 0:
                 nxt = self.ctx.post_forward_order[i - 1]
-                if self._is_root_group() and any(i.sharded.requires_grad for i in self.infos):
+                if self._is_root_group() and any(x.sharded.requires_grad for x in self.infos):
                     # the root's pre-backward fires on its output's gradient, while the loss's
                     # logits-sized temporaries may still be live: gather the next group once
                     # the root's first gradient is in (see _after_grad)
