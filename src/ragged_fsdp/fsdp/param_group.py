@@ -294,7 +294,7 @@ class ParamGroup:
         all its owners' backward ran (see :meth:`_buffer_done`). Buffers that a top module of
         the group registers directly, or an embedding weight (whose input is token ids), are
         left to the group's post-backward."""
-        self._early_buffers: list[int] = []  # buffers _buffer_done may reduce before the post-backward
+        self._early_buffers: set[int] = set()  # buffers _buffer_done may reduce before the post-backward
         trainable = [b for b in range(len(self.buffers))
                      if any(i.buffer == b and i.sharded.requires_grad for i in self.infos)]
         if len(trainable) < 2:
@@ -313,7 +313,7 @@ class ParamGroup:
             hook = _eager(functools.partial(self._owner_pre_forward, tuple(bs)))
             m.register_forward_pre_hook(hook, with_kwargs=True)
             m.register_forward_hook(_eager(functools.partial(self._owner_post_forward, tuple(bs))), always_call=True)
-        self._early_buffers = sorted({b for _, bs in by_module.values() for b in bs})
+        self._early_buffers = {b for _, bs in by_module.values() for b in bs}
 
     def _plan(self, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
         """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
@@ -541,7 +541,7 @@ class ParamGroup:
         if not (self._embedding_buffers or self._early_buffers) or self._watch is not None:
             return
         storages = {self.buffers[b].unsharded.untyped_storage().data_ptr(): b
-                    for b in sorted(self._embedding_buffers | set(self._early_buffers)) if b not in self._freed}
+                    for b in sorted(self._embedding_buffers | self._early_buffers) if b not in self._freed}
         self._watch = start_watch(storages)
         if self._watch is None:
             self.fwd.unknown = True
@@ -633,6 +633,28 @@ class ParamGroup:
         if nxt is not None:
             nxt.prefetch(TrainingState.PRE_BACKWARD)
 
+    def _fold_foreign_grads(self, b: int | None = None) -> None:
+        """Add into the gradient buffers (of buffer ``b``, or all) every gradient autograd
+        made on its own instead of accumulating into the alias."""
+        for info in self.infos:
+            p = info.unsharded
+            if p is None or p.grad is None or (b is not None and info.buffer != b):
+                continue
+            buf = self.buffers[info.buffer]
+            if buf.grad is None or info.unsharded_spec is not None or p.grad is not buf.grad_view(info.slot):
+                self._fold_foreign_grad(info)
+
+    def _take_grad(self, b: int) -> tuple[torch.Tensor, list[bool]]:
+        """Hand over buffer ``b``'s gradient buffer to be reduced, with which slots were
+        written; the unsharded parameters' ``.grad`` aliases into it are dropped."""
+        buf = self.buffers[b]
+        touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
+        grad = buf.take_grad()
+        for info in self.infos:
+            if info.buffer == b and info.unsharded is not None:
+                info.unsharded.grad = None
+        return grad, touched
+
     def _fold_foreign_grad(self, info: ParamInfo) -> None:
         """A gradient autograd made on its own (no alias was set): add it into the buffer."""
         p = info.unsharded
@@ -694,18 +716,9 @@ class ParamGroup:
                 or (self.buffer_dp[b].replicate is not None and not self.requires_all_reduce)):
             return
         with record_function("ragged_fsdp::reduce_early"):
-            mine = [i for i in self.infos if i.buffer == b]
-            for info in mine:
-                p = info.unsharded
-                if p is not None and p.grad is not None and (info.unsharded_spec is not None
-                                                             or p.grad is not buf.grad_view(info.slot)):
-                    self._fold_foreign_grad(info)
+            self._fold_foreign_grads(b)
             self.ctx.retire_reductions(keep=0)
-            touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
-            grad = buf.take_grad()
-            for info in mine:
-                if info.unsharded is not None:
-                    info.unsharded.grad = None
+            grad, touched = self._take_grad(b)
             f = self.fwd
             # free its unsharded parameters too, unless autograd may still read them: saved
             # outside the owner modules, or the watch could not see every save
@@ -762,12 +775,7 @@ class ParamGroup:
     def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
         self.bwd.deferred_prefetch = None
-        for info in self.infos:
-            p = info.unsharded
-            if p is not None and p.grad is not None:
-                buf = self.buffers[info.buffer]
-                if buf.grad is None or info.unsharded_spec is not None or p.grad is not buf.grad_view(info.slot):
-                    self._fold_foreign_grad(info)
+        self._fold_foreign_grads()
         if not self.reduce_grads:
             if self.reshard_after_backward:
                 self.reshard()
@@ -781,11 +789,7 @@ class ParamGroup:
                 if b in self.bwd.early or not any(i.buffer == b and i.sharded.requires_grad for i in self.infos):
                     continue
                 buf.alloc_grad()  # every rank reduces the same buffers, used here or not
-            touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
-            starts.append((b, buf.take_grad(), touched))
-        for info in self.infos:
-            if info.unsharded is not None:
-                info.unsharded.grad = None
+            starts.append((b, *self._take_grad(b)))
         if self.reshard_after_backward:
             self.reshard()
         with record_function("ragged_fsdp::reduce"):
