@@ -10,7 +10,9 @@
   ``broadcast_from_rank0`` go through torch's ``distribute_tensor``), ours do not. torch is
   not patched.
 * ``save(state, root)`` / ``load_latest(root, state)``: atomic checkpoints (a save is
-  published by a rename once every rank is done; incomplete ones are skipped), and ``load``:
+  published by a rename once every rank is done; incomplete ones are skipped, with a
+  warning), one writer per root (a lock file naming the holder), failures raised as
+  ``CheckpointSaveError`` (an ``OSError``) naming the ranks; and ``load``:
   ``dcp.load`` that refuses any key or shape mismatch, in both directions, naming the keys.
 * ``dcp_to_torch_save`` / ``torch_save_to_dcp`` (also ``python -m ragged_fsdp ckpt convert``).
 * integrity: ``save``/``async_save``/``torch_save_to_dcp`` record a CRC-32 per write item
@@ -21,6 +23,7 @@
 """
 
 from .async_save import async_save
+from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning
 from .atomic import Checkpoint, latest_checkpoint, list_checkpoints, load_latest, save
 from .integrity import CheckpointCorruptError, ChecksummedReader, ChecksummedWriter, count_checksums
 from .convert import dcp_to_torch_save, read_full, resolve, torch_save_to_dcp
@@ -37,7 +40,7 @@ from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
 
 __all__ = [
-    "Checkpoint", "CheckpointCorruptError", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
+    "Checkpoint", "CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError", "CheckpointWarning", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
     "count_checksums", "async_save", "StateDictOptions", "TrainState",
     "check_state", "dcp_to_torch_save", "get_model_state_dict", "get_optimizer_state_dict",
     "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",

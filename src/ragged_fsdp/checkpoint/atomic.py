@@ -5,6 +5,7 @@ leaves ``d`` half old, half new. Here every save goes to a fresh hidden director
 root and is published by one rename once every rank has finished::
 
     root/
+      .ragged_fsdp_lock     held by the writer's rank 0 during a save (names it)
       step-0000000100/      published: DCP files + .ragged_fsdp_complete
       step-0000000200/
       .partial-step-0000000300-<token>/   a save in progress, or one that died
@@ -13,9 +14,13 @@ Publishing is done by the coordinator (rank 0 of the process group) after ``dcp.
 returned on every rank (DCP gathers every rank's write results before it writes
 ``.metadata``, and we add a barrier): it writes a marker into the directory, fsyncs it,
 renames the directory to its final name and fsyncs the root. A directory counts as a
-checkpoint only if its name is ``step-<n>`` *and* it holds the marker, so
-``load_latest`` skips anything a dead save left. The next successful save deletes those
-leftovers. One writer per root at a time.
+checkpoint only if its name is ``step-<n>`` *and* it holds the marker and ``.metadata``, so
+``load_latest`` skips anything a dead save left (and says which directory it skipped).
+
+One writer per root: the lock (:mod:`.lock`) makes a second writer fail before it writes or
+deletes anything. A failed save removes its own partial directory; leftovers of writers that
+died are removed by the next save, once their death is certain (same host, process gone).
+Retention (``keep_last``) never deletes the checkpoint just written.
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from . import lock
+from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning, describe_failures
 from .integrity import ChecksummedWriter
 from .strict import load as _strict_load
 from .strict import quiet_single_process
@@ -49,11 +58,14 @@ _DELETING = ".deleting-"
 @dataclasses.dataclass
 class Checkpoint:
     """A published checkpoint: its directory, its step and (after ``load_latest``) the state
-    it was loaded into, or the plain state read from it when no state was given."""
+    it was loaded into, or the plain state read from it when no state was given.
+    ``skipped``: (directory, reason) of every ``step-<n>`` directory newer than this one
+    that ``load_latest`` passed over because it is not a complete checkpoint."""
 
     path: str
     step: int
     state: Any = None
+    skipped: list = dataclasses.field(default_factory=list)
 
 
 def _use_dist(process_group) -> bool:
@@ -94,18 +106,33 @@ def _name(step: int) -> str:
 def list_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
     """Published checkpoints under ``root``, oldest first (by step). Directories left by a
     save that did not finish are not listed."""
+    return _scan(root)[0]
+
+
+def _scan(root: str | os.PathLike) -> tuple[list[Checkpoint], list[tuple[int, str, str]]]:
+    """(published checkpoints by step, ``step-<n>`` directories that are not, with why)."""
     root = os.fspath(root)
-    out = []
+    out, bad = [], []
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
-        return []
+    except (FileNotFoundError, NotADirectoryError):
+        return [], []
     for n in names:
         m = _NAME.match(n)
+        if not m:
+            continue
         p = os.path.join(root, n)
-        if m and os.path.isfile(os.path.join(p, MARKER)) and os.path.isfile(os.path.join(p, ".metadata")):
+        if not os.path.isdir(p):
+            bad.append((int(m.group(1)), p, "not a directory"))
+            continue
+        lacks = [f for f in (MARKER, ".metadata") if not os.path.isfile(os.path.join(p, f))]
+        if lacks:
+            why = " and ".join({MARKER: f"the completion marker {MARKER}",
+                                ".metadata": "DCP's .metadata"}[f] for f in lacks)
+            bad.append((int(m.group(1)), p, f"it lacks {why} (an incomplete or damaged save)"))
+        else:
             out.append(Checkpoint(p, int(m.group(1))))
-    return sorted(out, key=lambda c: c.step)
+    return sorted(out, key=lambda c: c.step), sorted(bad)
 
 
 def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
@@ -126,61 +153,174 @@ def save(
     objects) as a new checkpoint under ``root`` and publish it once every rank is done.
 
     ``step`` names it (default: one more than the newest published step, or 0). Saving a
-    step that is already published raises ``FileExistsError``. ``keep_last=n`` deletes all
-    but the newest ``n`` published checkpoints afterwards. Collective: call on every rank of
-    ``process_group`` (default: the world). Returns the published :class:`Checkpoint`."""
+    step that is already published raises ``FileExistsError``. Collective: call on every
+    rank of ``process_group`` (default: the world). Returns the published :class:`Checkpoint`.
+
+    Retention: ``keep_last=n`` keeps the checkpoint just written plus the ``n - 1`` others
+    with the highest steps and deletes the remaining published ones; the checkpoint just
+    written is never deleted, whatever its step.
+
+    One writer per root: rank 0 holds ``root/.ragged_fsdp_lock`` for the whole save; a save
+    while another writer holds it raises :class:`CheckpointLockedError` before anything is
+    written or deleted (a lock left by a dead process on this host is broken, with a
+    warning; see :mod:`ragged_fsdp.checkpoint.lock`).
+
+    Failures (a full disk, a rank that cannot write, a peer that died) raise
+    :class:`CheckpointSaveError` (an ``OSError``) on every rank that sees them, naming the
+    rank(s) and the underlying error; nothing is published, this save's partial directory
+    is removed and the previous checkpoints are untouched."""
     _agree(_check_save_args(state, root, step, keep_last), (step, keep_last), process_group)
     root = os.path.abspath(os.fspath(root))
-    rank0 = _rank(process_group) == 0
-    plan = None
-    if rank0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            if step is None:
-                last = latest_checkpoint(root)
-                step_ = 0 if last is None else last.step + 1
-            else:
-                step_ = int(step)
-            final = os.path.join(root, _name(step_))
-            if os.path.exists(final):
-                plan = FileExistsError(f"checkpoint {final} already exists; pick another step")
-            else:
-                tmp = os.path.join(root, f"{_PARTIAL}{_name(step_)}-{uuid.uuid4().hex[:8]}")
-                os.makedirs(tmp)
-                plan = (step_, tmp, final)
-        except OSError as e:
-            plan = OSError(f"cannot prepare a checkpoint under {root}: {e}")
-    plan = _bcast(plan, process_group)
-    if isinstance(plan, Exception):
+    pg = process_group
+    rank = _rank(pg)
+    world = dist.get_world_size(pg) if _use_dist(pg) else 1
+    plan = _prepare(root, step, world) if rank == 0 else None
+    plan = _bcast(plan, pg)
+    if isinstance(plan, BaseException):
         raise plan
-    step_, tmp, final = plan
+    step_, tmp, final, token, notes = plan
+    _warn(notes)
+    try:
+        with quiet_single_process(not _use_dist(pg)):
+            dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=pg, planner=planner,
+                     no_dist=not _use_dist(pg))
+        if _use_dist(pg):
+            dist.barrier(group=pg)  # every rank's files are written and synced
+    except BaseException as e:
+        consistent = isinstance(e, CheckpointException)  # every rank got it: the group still works
+        _abandon(root, tmp, token, rank, pg if consistent else None)
+        if consistent:
+            text, ranks = describe_failures(e.failures)
+            mine = e.failures.get(rank)
+            raise CheckpointSaveError(
+                f"ragged_fsdp: saving step {step_} under {root} failed on {text}. Nothing was published "
+                "and the partial directory was removed; the previous checkpoints are intact", ranks,
+            ) from (mine[0] if isinstance(mine, tuple) else None)
+        if isinstance(e, Exception):
+            raise CheckpointSaveError(
+                f"ragged_fsdp: saving step {step_} under {root} failed on rank {rank}: {type(e).__name__}: "
+                f"{_first_line(e)}. Nothing was published and this rank removed the partial directory "
+                "(if a peer died, the process group is broken: restart the job)", [rank],
+            ) from e
+        raise  # KeyboardInterrupt, SystemExit: after the cleanup above
 
-    with quiet_single_process(not _use_dist(process_group)):
-        dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=process_group, planner=planner,
-                 no_dist=not _use_dist(process_group))
-    if _use_dist(process_group):
-        dist.barrier(group=process_group)  # every rank's files are written and synced
-
-    err = None
-    if rank0:
-        try:
-            world = dist.get_world_size(process_group) if _use_dist(process_group) else 1
-            marker = os.path.join(tmp, MARKER)
-            with open(marker, "w") as f:
-                json.dump({"step": step_, "world_size": world, "time": time.time()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _cleanup(root, keep_last)
-        except OSError as e:
-            err = f"publishing {tmp} as {final} failed: {e}"
-    err = _bcast(err, process_group)
+    outcome = _publish(root, tmp, final, token, step_, world, keep_last) if rank == 0 else None
+    err, notes = _bcast(outcome, pg)
+    _warn(notes)
     if err:
-        raise OSError(err)
+        raise CheckpointSaveError(err, [0])
     return Checkpoint(final, step_)
 
+
+def _warn(notes) -> None:
+    for n in notes or ():
+        warnings.warn(n, CheckpointWarning, stacklevel=3)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+def _prepare(root: str, step: int | None, world: int):
+    """Rank 0: take the lock, pick the step, make the partial directory. Returns
+    ``(step, tmp, final, token, warnings)`` or the exception every rank raises."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        return CheckpointSaveError(f"cannot create the checkpoint root {root}: {e}", [0])
+    token = uuid.uuid4().hex[:12]
+    record = lock.holder_record(token, None, world)
+    try:
+        notes = lock.acquire(root, record)
+    except CheckpointLockedError as e:
+        return e
+    except OSError as e:
+        return CheckpointSaveError(f"cannot take the lock of checkpoint root {root}: {e}", [0])
+    tmp = None
+    try:
+        last = latest_checkpoint(root)
+        step_ = (0 if last is None else last.step + 1) if step is None else int(step)
+        final = os.path.join(root, _name(step_))
+        if os.path.exists(final):
+            lock.release(root, token)
+            return FileExistsError(f"checkpoint {final} already exists; pick another step")
+        name = f"{_PARTIAL}{_name(step_)}-{token}"
+        tmp = os.path.join(root, name)
+        os.makedirs(tmp)
+        record["partial"] = name
+        for path in (os.path.join(tmp, lock.WRITER), os.path.join(root, f"{lock.LOCK}.{token}.upd")):
+            with open(path, "w") as f:
+                json.dump(record, f)
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(os.path.join(root, f"{lock.LOCK}.{token}.upd"), os.path.join(root, lock.LOCK))
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        lock.release(root, token)
+        return CheckpointSaveError(f"cannot prepare a checkpoint under {root}: {e}", [0])
+    return step_, tmp, final, token, notes
+
+
+def _abandon(root: str, tmp: str, token: str, rank: int, pg) -> None:
+    """Remove a failed save's partial directory on every rank and drop the lock. With a
+    working process group (``pg``, DCP's collective failure) rank 0 removes it first and the
+    others only what their filesystem still shows (ranks on their own disks); otherwise each
+    rank removes what it can, best effort."""
+    def barrier():
+        try:
+            dist.barrier(group=pg)
+        except Exception:  # pragma: no cover - a peer died during the cleanup
+            pass
+
+    if pg is not None or not _use_dist(pg):
+        if _use_dist(pg):
+            barrier()
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _use_dist(pg):
+            barrier()
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:
+        try:
+            lock.release(root, token)
+        except OSError:  # pragma: no cover
+            pass
+
+
+def _publish(root: str, tmp: str, final: str, token: str, step_: int, world: int, keep_last):
+    """Rank 0: marker, rename, retention; returns ``(error or None, warnings)``."""
+    try:
+        marker = os.path.join(tmp, MARKER)
+        with open(marker, "w") as f:
+            json.dump({"step": step_, "world_size": world, "time": time.time()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.unlink(os.path.join(tmp, lock.WRITER))  # a published checkpoint has no writer
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        lock.release(root, token)
+        return (f"ragged_fsdp: publishing {tmp} as {final} failed on rank 0: {e}. Nothing was published and the "
+                "partial directory was removed; the previous checkpoints are intact"), []
+    notes: list[str] = []
+    try:
+        lock.verify(root, token)
+        notes += _cleanup(root, keep_last, final)
+        newest = latest_checkpoint(root)
+        if newest is not None and newest.step > step_:
+            notes.append(f"saved step {step_} under {root}, below the newest published step {newest.step}: "
+                         f"load_latest loads the highest step, so it will load step {newest.step}, not this "
+                         "one (delete the newer checkpoints, or save with a higher step)")
+    except OSError as e:  # published: a failed clean-up is reported, not raised
+        notes.append(f"checkpoint {final} was published, but cleaning up {root} failed: {e}")
+    finally:
+        lock.release(root, token)
+    return None, notes
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -229,13 +369,29 @@ def _agree(err: str | None, args, pg) -> None:
         )
 
 
-def _cleanup(root: str, keep_last: int | None) -> None:
-    """Remove leftovers of dead saves and, with ``keep_last``, old checkpoints. A doomed
-    checkpoint is first renamed away, so a crash mid-delete never leaves a listed
-    directory with files missing."""
-    doomed = [os.path.join(root, n) for n in os.listdir(root) if n.startswith(_PARTIAL)]
+def _cleanup(root: str, keep_last: int | None, keep: str) -> list[str]:
+    """Remove debris of dead saves and, with ``keep_last``, old checkpoints (never ``keep``,
+    the one just published). Runs under the lock. A ``.partial-*`` directory goes only when
+    the writer its record names is known to be dead; others (a writer on another host, or
+    one still running) are kept and reported. A doomed checkpoint is first renamed away, so a
+    crash mid-delete never leaves a listed directory with files missing. Returns warnings."""
+    notes = []
+    doomed, kept = [], []
+    for n in sorted(os.listdir(root)):
+        if not n.startswith(_PARTIAL):
+            continue
+        p = os.path.join(root, n)
+        rec = lock.read_record(os.path.join(p, lock.WRITER))
+        (doomed if lock.writer_gone(rec) else kept).append((p, rec))
+    if kept:
+        notes.append(f"left {len(kept)} unfinished save(s) under {root} whose writer may still run: "
+                     + "; ".join(f"{os.path.basename(p)} by " + (lock.describe(r) if r else "an unknown writer")
+                                 for p, r in kept)
+                     + ". Remove them by hand once no job writes there")
+    doomed = [p for p, _ in doomed]
     if keep_last is not None:  # validated (>= 1) on every rank before the save began
-        doomed += [c.path for c in list_checkpoints(root)[:-keep_last]]
+        others = [c for c in list_checkpoints(root) if os.path.abspath(c.path) != os.path.abspath(keep)]
+        doomed += [c.path for c in others[:max(0, len(others) - (keep_last - 1))]]
     for p in doomed:
         gone = os.path.join(root, f"{_DELETING}{os.path.basename(p)}-{uuid.uuid4().hex[:8]}")
         try:
@@ -244,9 +400,9 @@ def _cleanup(root: str, keep_last: int | None) -> None:
             continue
         shutil.rmtree(gone, ignore_errors=True)
     for n in os.listdir(root):
-        if n.startswith(_DELETING):
+        if n.startswith(_DELETING):  # renamed away by a lock holder: never live data
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
-
+    return notes
 
 def load_latest(
     root: str | os.PathLike,
@@ -263,6 +419,10 @@ def load_latest(
     ways when ``strict``; see :func:`ragged_fsdp.checkpoint.load`). Without ``state`` every
     rank reads the whole checkpoint as plain tensors (``Checkpoint.state``). Collective when
     ``state`` holds DTensors.
+
+    A ``step-<n>`` directory newer than the one loaded that is not a complete checkpoint
+    (no completion marker, no ``.metadata``) is skipped with a :class:`CheckpointWarning`
+    naming it and why (on rank 0), and listed in ``Checkpoint.skipped`` on every rank.
 
     When there is nothing to load (``root`` does not exist, or holds no published
     checkpoint) this raises ``FileNotFoundError`` naming ``root``: a mistyped path must not
@@ -281,6 +441,10 @@ def load_latest(
         raise found
     if found is None:
         return None
+    if found.skipped and _rank(process_group) == 0:
+        for p, why in found.skipped:
+            warnings.warn(f"load_latest: skipped {p}, newer than the step {found.step} it loads: {why}",
+                          CheckpointWarning, stacklevel=2)
     if state is None:
         from .convert import read_full
 
@@ -304,9 +468,14 @@ def _find_latest(root: str, missing_ok: bool) -> Checkpoint | None:
             f"load_latest: {root} is a checkpoint directory itself, not a root of step-<n> "
             "checkpoints; load it with ragged_fsdp.checkpoint.load(state, path)"
         )
-    found = latest_checkpoint(root)
+    published, bad = _scan(root)
+    found = published[-1] if published else None
+    skipped = [(p, why) for n, p, why in bad if found is None or n > found.step]
     if found is None and not missing_ok:
         partial = [n for n in os.listdir(root) if n.startswith(_PARTIAL)]
         extra = f" ({len(partial)} unfinished save(s) skipped)" if partial else ""
+        extra += "".join(f"; skipped {p}: {why}" for p, why in skipped)
         raise FileNotFoundError(f"load_latest: no published checkpoint under {root}{extra}{hint}")
+    if found is not None:
+        found.skipped = skipped
     return found
