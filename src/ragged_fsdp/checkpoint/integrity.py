@@ -41,11 +41,12 @@ class CheckpointCorruptError(ValueError):
 class _CrcStream(io.RawIOBase):
     """Passes writes through to ``raw`` and keeps a running CRC-32 of them."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, errors: list | None = None):
         super().__init__()
         self.raw = raw
         self.crc = 0
         self.nbytes = 0
+        self.errors = errors if errors is not None else []
 
     def writable(self) -> bool:
         return True
@@ -54,7 +55,11 @@ class _CrcStream(io.RawIOBase):
         view = memoryview(b).cast("B")
         self.crc = zlib.crc32(view, self.crc)
         self.nbytes += view.nbytes
-        return self.raw.write(b)
+        try:
+            return self.raw.write(b)
+        except OSError as e:  # torch.save's zip writer turns it into "unexpected pos": keep it
+            self.errors.append(e)
+            raise
 
     def flush(self) -> None:
         self.raw.flush()
@@ -95,12 +100,13 @@ class _HashingTransforms:
     """Wraps DCP's per-item stream factory so every item is hashed as it is written. The
     hash covers the bytes that land in the file (after any stream extension)."""
 
-    def __init__(self, inner, sink: dict):
+    def __init__(self, inner, sink: dict, errors: list):
         self.inner = inner
         self.sink = sink
+        self.errors = errors
 
     def transform_save_stream(self, write_item, raw_stream):
-        crc = _CrcStream(raw_stream)
+        crc = _CrcStream(raw_stream, self.errors)
         stream, descriptors = self.inner.transform_save_stream(write_item, crc)
 
         def done():
@@ -118,15 +124,23 @@ class ChecksummedWriter(dcp.FileSystemWriter):
     def __init__(self, path, *args, **kwargs):
         super().__init__(path, *args, **kwargs)
         self._crcs: dict = {}
+        self._io_errors: list = []  # OSErrors of the file writes, for the error report
         inner = getattr(self, "transforms", None)
         # The per-item stream hook exists in every torch this package supports (2.11+); if a
         # future torch drops it, items are written without checksums and read unchecked.
         self._hashing = inner is not None and hasattr(inner, "transform_save_stream")
         if self._hashing:
-            self.transforms = _HashingTransforms(inner, self._crcs)
+            self.transforms = _HashingTransforms(inner, self._crcs, self._io_errors)
 
     def write_data(self, plan, planner):
-        results = super().write_data(plan, planner).wait()
+        try:
+            results = super().write_data(plan, planner).wait()
+        except Exception as e:
+            # a full disk under torch.save's zip writer surfaces as "unexpected pos"; the
+            # OSError underneath (ENOSPC, EFBIG) is what the caller needs to see
+            if self._io_errors and not isinstance(e, OSError):
+                raise self._io_errors[0] from e
+            raise
         for wr in results:
             got = self._crcs.pop(wr.index, None)
             info = wr.storage_data
