@@ -41,6 +41,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 from ..placement.dtensor import RaggedDTensor
 from ._grouped import DEFAULT_CHUNK, adamw_grouped, flat_states
 from ._layout import layout_of, local_of, param_name, place_state
+from ._state_check import MARK, check_layout, check_state_dict, layout_record
+from .routing import check_int
 
 __all__ = ["AdamW"]
 
@@ -58,9 +60,7 @@ class AdamW(torch.optim.AdamW):
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, chunk_size: int = DEFAULT_CHUNK) -> None:
-        if not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"AdamW: chunk_size={chunk_size!r} must be an integer >= 1 (elements per chunk)")
-        self.chunk_size = chunk_size
+        self.chunk_size = check_int("AdamW", "chunk_size", chunk_size, 1)
         self._views: dict = {}  # param -> {state key: flat-buffer view} (grouped params only)
         self.last_step_stats: dict = {}
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
@@ -170,10 +170,28 @@ class AdamW(torch.optim.AdamW):
                      grad_scale=getattr(self, "grad_scale", None), found_inf=getattr(self, "found_inf", None))
 
     # -- state dict ----------------------------------------------------------------------
+    _STATE = frozenset(("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"))
+
+    def state_dict(self) -> dict:
+        """torch's, plus the layout fingerprint that per-rank files are checked against."""
+        sd = super().state_dict()
+        sd[MARK] = layout_record(self)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's ``load_state_dict``, then every loaded state of a grouped parameter is laid
         out like the parameter (full tensors and other layouts are resharded, the saved dtype is
-        cast to the state's) and copied into its flat buffer, which stays the state."""
+        cast to the state's) and copied into its flat buffer, which stays the state.
+
+        Refused before anything is loaded: another optimizer's state dict (other state keys or
+        param-group hyperparameters), and a per-rank state dict saved under another world size,
+        rank or layout (see :mod:`._state_check`)."""
+        check_state_dict(
+            self, state_dict, group_keys=lambda sg, g: ("lr", "betas", "eps", "weight_decay"),
+            state_keys=lambda sg, p: ({"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if sg.get("amsgrad")
+                                                                          else set()), self._STATE.__contains__))
+        check_layout(self, state_dict)
+        state_dict = {k: v for k, v in state_dict.items() if k != MARK}
         views = {p: dict(v) for p, v in self._views.items()}
         super().load_state_dict(state_dict)
         for gi, group in enumerate(self.param_groups):

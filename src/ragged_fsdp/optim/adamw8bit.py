@@ -55,7 +55,8 @@ from ._grouped8bit import Item, adamw8bit_grouped
 from ._layout import Layout, blocks_like, layout_of, local_of, param_name
 from .muon import _load_resharded
 from .quant import dequantize_blockwise, num_blocks, quantize_blockwise, signed_map, unsigned_map
-from .routing import adamw8bit_granularity, check_finite
+from ._state_check import MARK, check_layout, check_state_dict, layout_record
+from .routing import adamw8bit_granularity, check_finite, check_int
 
 __all__ = ["AdamW8bit", "state_bytes"]
 
@@ -121,11 +122,8 @@ class AdamW8bit(Optimizer):
         for i, b in enumerate(betas):
             if not 0.0 <= float(b) < 1.0:
                 raise ValueError(f"{where}: betas[{i}]={b} must be in [0, 1)")
-        bs, mn = group["block_size"], group["min_8bit_size"]
-        if not isinstance(bs, int) or bs < 1:
-            raise ValueError(f"{where}: block_size={bs!r} must be an integer >= 1")
-        if not isinstance(mn, int) or mn < 0:
-            raise ValueError(f"{where}: min_8bit_size={mn!r} must be an integer >= 0")
+        check_int(where, "block_size", group["block_size"], 1)
+        check_int(where, "min_8bit_size", group["min_8bit_size"], 0)
 
     @staticmethod
     def _eight_bit(lay: Layout, group: dict) -> bool:
@@ -275,9 +273,28 @@ class AdamW8bit(Optimizer):
             self._views[p] = views
 
     # -- state dict ------------------------------------------------------------------
+    _CODES = frozenset(("step", "exp_avg_codes", "exp_avg_sq_codes") + _BLOCK_KEYS)
+    _FP32 = frozenset(("step", "exp_avg", "exp_avg_sq"))
+
+    def _state_keys(self, saved_group: dict, p) -> tuple[set, object]:
+        keys = self._CODES if p.numel() >= saved_group["min_8bit_size"] else self._FP32
+        return set(keys), keys.__contains__
+
+    def state_dict(self) -> dict:
+        """torch's, plus the layout fingerprint that per-rank files are checked against."""
+        sd = super().state_dict()
+        sd[MARK] = layout_record(self)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict whose tensors may be full tensors (any world size) or DTensors of
-        any layout on the parameters' meshes; codes stay uint8, absmax stays per block."""
+        any layout on the parameters' meshes; codes stay uint8, absmax stays per block.
+        Another optimizer's state dict, and a per-rank one saved under another world size, rank
+        or layout, are refused before anything is loaded (:mod:`._state_check`)."""
+        check_state_dict(self, state_dict, state_keys=self._state_keys,
+                         group_keys=lambda sg, g: ("lr", "betas", "eps", "weight_decay", "block_size",
+                                                   "min_8bit_size"))
+        check_layout(self, state_dict)
         block_of = {}
         for g in self.param_groups:
             block_of.setdefault("bs", g["block_size"])

@@ -53,6 +53,7 @@ from torch.optim import Optimizer
 from ._gather import GatherSet, gather_set
 from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
+from ._state_check import MARK, check_layout, check_state_dict, layout_record
 from .routing import check_finite, muon_granularity
 
 __all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "adjust_lr", "ADAMW_DEFAULTS"]
@@ -354,7 +355,7 @@ class Muon(Optimizer):
                 raise ValueError(f"{where}: ns_coefficients={coeffs} must be three numbers (a, b, c)")
             check_finite(where, **{f"ns_coefficients[{i}]": c for i, c in enumerate(coeffs)})
             steps = group["ns_steps"]
-            if not isinstance(steps, int) or not 0 <= steps < 100:
+            if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
                 raise ValueError(f"{where}: ns_steps={steps!r} must be an integer in [0, 100)")
             if group["adjust_lr_fn"] not in _ADJUST_FNS:
                 raise ValueError(f"{where}: adjust_lr_fn={group['adjust_lr_fn']!r} must be one of {_ADJUST_FNS}")
@@ -582,9 +583,38 @@ class Muon(Optimizer):
                       maximize=False)
 
     # -- state dict ------------------------------------------------------------------
+    _MUON_KEYS = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+    _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+    @classmethod
+    def _group_keys(cls, saved: dict, group: dict):
+        use = saved.get("use_muon", True)  # torch.optim.Muon's groups have no use_muon: Muon
+        if use != group["use_muon"]:
+            raise ValueError(
+                f"Muon.load_state_dict: a param group is {'Muon' if group['use_muon'] else 'AdamW (use_muon=False)'} "
+                f"here but {'Muon' if use else 'AdamW (use_muon=False)'} in the state dict; build the param "
+                "groups as they were when it was saved (e.g. muon_param_groups with the same model). "
+                "Nothing was loaded")
+        return cls._MUON_KEYS if use else cls._ADAMW_KEYS
+
+    @staticmethod
+    def _state_keys(saved: dict, p):
+        keys = {"momentum_buffer"} if saved.get("use_muon", True) else {"step", "exp_avg", "exp_avg_sq"}
+        return keys, keys.__contains__
+
+    def state_dict(self) -> dict:
+        """torch's, plus the layout fingerprint that per-rank files are checked against."""
+        sd = super().state_dict()
+        sd[MARK] = layout_record(self)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict whose tensors may be full tensors (any world size) or DTensors of
-        any layout on the parameters' meshes: each is laid out like the parameter here."""
+        any layout on the parameters' meshes: each is laid out like the parameter here.
+        Another optimizer's state dict, and a per-rank one saved under another world size, rank
+        or layout, are refused before anything is loaded (:mod:`._state_check`)."""
+        check_state_dict(self, state_dict, group_keys=self._group_keys, state_keys=self._state_keys)
+        check_layout(self, state_dict)
         views = {p: dict(v) for p, v in self._views.items()}
         _load_resharded(self, state_dict, lambda key: None)
         restore_flat_views(self, views)

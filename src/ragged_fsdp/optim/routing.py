@@ -27,6 +27,7 @@ AdamW; the other matrices to Muon), and the optimizers only follow ``use_muon`` 
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -55,6 +56,17 @@ def check_finite(where: str, **values) -> None:
             raise ValueError(f"{where}: {name}={v!r} must be >= 0")
 
 
+def check_int(where: str, name: str, value, minimum: int) -> int:
+    """``value`` if it is an integer >= ``minimum``; a ValueError naming it otherwise. Bools are
+    refused: ``True`` is an ``int`` to Python, but ``block_size=True`` is a mistake, not 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{where}: {name}={value!r} must be an integer >= {minimum}, not a "
+                         f"{type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{where}: {name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
 def muon_granularity(name: str, param: torch.Tensor) -> str | None:
     """Muon's block: the whole matrix (``"tensor"``) for 2-D, one ``(H, I)`` matrix
     (``"rows:H"``) for tensors of 3+ dims, ``None`` below 2-D."""
@@ -68,8 +80,8 @@ def muon_granularity(name: str, param: torch.Tensor) -> str | None:
 def adamw8bit_granularity(block_size: int = 256, min_8bit_size: int = 4096) -> GranularityFn:
     """A policy for AdamW8bit with these settings: ``"block:<block_size>"`` for tensors of at
     least ``min_8bit_size`` elements (global size), ``None`` otherwise."""
-    if block_size < 1:
-        raise ValueError(f"adamw8bit_granularity: block_size={block_size} must be >= 1")
+    check_int("adamw8bit_granularity", "block_size", block_size, 1)
+    check_int("adamw8bit_granularity", "min_8bit_size", min_8bit_size, 0)
 
     def granularity(name: str, param: torch.Tensor) -> str | None:
         return f"block:{block_size}" if param.numel() >= min_8bit_size else None

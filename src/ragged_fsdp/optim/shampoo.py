@@ -53,6 +53,7 @@ import torch
 from torch.optim import Optimizer
 
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
+from ._state_check import TILE_KEY, MARK, check_layout, check_state_dict, layout_record
 from .routing import check_finite
 from .shampoo_blocks import Tile, merged_shape, row_chunks, shampoo_granularity, tile_eigh_flops, tiles_of
 
@@ -410,12 +411,29 @@ class Shampoo(Optimizer):
         return r
 
     # -- state dict ------------------------------------------------------------------
+    @staticmethod
+    def _state_keys(saved: dict, p):
+        need = {"step", "exp_avg"} | ({"exp_avg_sq"} if saved.get("grafting_type") in ("adam", "adagrad") else set())
+        return need, lambda k: k in ("step", "exp_avg", "exp_avg_sq") or (isinstance(k, str) and bool(TILE_KEY.match(k)))
+
+    def state_dict(self) -> dict:
+        """torch's, plus the layout fingerprint that per-rank files are checked against."""
+        sd = super().state_dict()
+        sd[MARK] = layout_record(self)
+        return sd
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved at any world size (or in one process). Per-element states
         may be full tensors or DTensors of any layout; per-tile states may be full tensors or
         DTensors held by any rank; each is laid out for this layout's owner (the tile's data
-        lands on its owner only). Every tile key must be present (same keys on every rank)."""
+        lands on its owner only). Every tile key must be present (same keys on every rank).
+        Another optimizer's state dict, and a per-rank one saved under another world size, rank
+        or layout, are refused before anything is loaded (:mod:`._state_check`)."""
         from itertools import chain
+
+        check_state_dict(self, state_dict, state_keys=self._state_keys,
+                         group_keys=lambda sg, g: tuple(k for k in self.defaults))
+        check_layout(self, state_dict)
 
         held, saved_ids = load_scalars(self, state_dict)
         where = chain.from_iterable([(gi, g, i) for i in range(len(g["params"]))]

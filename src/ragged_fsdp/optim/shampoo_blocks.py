@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -103,6 +104,9 @@ def shampoo_granularity(max_preconditioner_dim: int = 1024) -> Callable:
     whole number ``K`` of last-dim rows of the parameter (2-D matrices: ``rows:B``), else
     ``"block:N"`` (flat); ``"tensor"`` when one row chunk is the whole parameter; ``None``
     for tensors of at most one element."""
+    if isinstance(max_preconditioner_dim, bool) or not isinstance(max_preconditioner_dim, numbers.Integral):
+        raise ValueError(f"Shampoo.granularity_for: max_preconditioner_dim={max_preconditioner_dim!r} must be "
+                         "an integer >= 1")
     B = int(max_preconditioner_dim)
     if B < 1:
         raise ValueError(f"Shampoo.granularity_for: max_preconditioner_dim={max_preconditioner_dim} must be >= 1")
