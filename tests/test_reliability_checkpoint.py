@@ -351,3 +351,21 @@ def results(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_dist(results, case):
     check_case(results, case, 2)
+
+
+def test_async_save_failure_is_a_library_error(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", full)
+    where = tmp_path / "async"
+    fut = ck.async_save({"w": torch.ones(8)}, checkpoint_id=where, no_dist=True)
+    with pytest.raises(ck.CheckpointSaveError, match=r"rank\(s\) \[0\]: OSError: \[Errno 28\] No space") as e:
+        fut.result(timeout=120)
+    assert "Traceback" not in str(e.value) and isinstance(e.value.__cause__, OSError)
+    assert not where.exists()  # this call created it: removed
+    monkeypatch.undo()
+    ck.async_save({"w": torch.ones(8)}, checkpoint_id=where, no_dist=True).result(timeout=120)
+    assert torch.equal(ck.read_full(where)["w"], torch.ones(8))
