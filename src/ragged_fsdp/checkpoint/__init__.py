@@ -24,7 +24,9 @@
 
 from .async_save import async_save
 from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning
-from .atomic import Checkpoint, latest_checkpoint, list_checkpoints, load_latest, save
+from .atomic import save
+from .listing import Checkpoint, latest_checkpoint, list_checkpoints
+from .resume import load_latest
 from .integrity import CheckpointCorruptError, ChecksummedReader, ChecksummedWriter, count_checksums
 from .convert import dcp_to_torch_save, read_full, resolve, torch_save_to_dcp
 from .state_dict import (

@@ -25,11 +25,9 @@ Retention (``keep_last``) never deletes the checkpoint just written.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import numbers
 import os
-import re
 import shutil
 import time
 import uuid
@@ -44,29 +42,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import lock
 from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning, describe_failures
 from .integrity import ChecksummedWriter
-from .strict import load as _strict_load
+from .listing import _DELETING, _PARTIAL, MARKER, Checkpoint, _name, latest_checkpoint, list_checkpoints
 from .strict import quiet_single_process
 
-__all__ = ["Checkpoint", "save", "load_latest", "list_checkpoints", "latest_checkpoint", "MARKER"]
-
-MARKER = ".ragged_fsdp_complete"
-_NAME = re.compile(r"^step-(\d+)$")
-_PARTIAL = ".partial-"
-_DELETING = ".deleting-"
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    """A published checkpoint: its directory, its step and (after ``load_latest``) the state
-    it was loaded into, or the plain state read from it when no state was given.
-    ``skipped``: (directory, reason) of every ``step-<n>`` directory newer than this one
-    that ``load_latest`` passed over because it is not a complete checkpoint."""
-
-    path: str
-    step: int
-    state: Any = None
-    skipped: list = dataclasses.field(default_factory=list)
-
+__all__ = ["Checkpoint", "save", "list_checkpoints", "latest_checkpoint", "MARKER"]
 
 def _use_dist(process_group) -> bool:
     return dist.is_available() and dist.is_initialized()
@@ -97,47 +76,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _name(step: int) -> str:
-    return f"step-{step:010d}"
-
-
-def list_checkpoints(root: str | os.PathLike) -> list[Checkpoint]:
-    """Published checkpoints under ``root``, oldest first (by step). Directories left by a
-    save that did not finish are not listed."""
-    return _scan(root)[0]
-
-
-def _scan(root: str | os.PathLike) -> tuple[list[Checkpoint], list[tuple[int, str, str]]]:
-    """(published checkpoints by step, ``step-<n>`` directories that are not, with why)."""
-    root = os.fspath(root)
-    out, bad = [], []
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return [], []
-    for n in names:
-        m = _NAME.match(n)
-        if not m:
-            continue
-        p = os.path.join(root, n)
-        if not os.path.isdir(p):
-            bad.append((int(m.group(1)), p, "not a directory"))
-            continue
-        lacks = [f for f in (MARKER, ".metadata") if not os.path.isfile(os.path.join(p, f))]
-        if lacks:
-            why = " and ".join({MARKER: f"the completion marker {MARKER}",
-                                ".metadata": "DCP's .metadata"}[f] for f in lacks)
-            bad.append((int(m.group(1)), p, f"it lacks {why} (an incomplete or damaged save)"))
-        else:
-            out.append(Checkpoint(p, int(m.group(1))))
-    return sorted(out, key=lambda c: c.step), sorted(bad)
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Checkpoint | None:
-    found = list_checkpoints(root)
-    return found[-1] if found else None
 
 
 def save(
@@ -179,7 +117,8 @@ def save(
     if isinstance(plan, BaseException):
         raise plan
     step_, tmp, final, token, notes = plan
-    _warn(notes)
+    if rank == 0:
+        _warn(notes)
     try:
         with quiet_single_process(not _use_dist(pg)):
             dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=pg, planner=planner,
@@ -188,7 +127,7 @@ def save(
             dist.barrier(group=pg)  # every rank's files are written and synced
     except BaseException as e:
         consistent = isinstance(e, CheckpointException)  # every rank got it: the group still works
-        _abandon(root, tmp, token, rank, pg if consistent else None)
+        _abandon(root, tmp, token, rank, pg, consistent)
         if consistent:
             text, ranks = describe_failures(e.failures)
             mine = e.failures.get(rank)
@@ -206,7 +145,8 @@ def save(
 
     outcome = _publish(root, tmp, final, token, step_, world, keep_last) if rank == 0 else None
     err, notes = _bcast(outcome, pg)
-    _warn(notes)
+    if rank == 0:
+        _warn(notes)
     if err:
         raise CheckpointSaveError(err, [0])
     return Checkpoint(final, step_)
@@ -263,18 +203,18 @@ def _prepare(root: str, step: int | None, world: int):
     return step_, tmp, final, token, notes
 
 
-def _abandon(root: str, tmp: str, token: str, rank: int, pg) -> None:
-    """Remove a failed save's partial directory on every rank and drop the lock. With a
-    working process group (``pg``, DCP's collective failure) rank 0 removes it first and the
-    others only what their filesystem still shows (ranks on their own disks); otherwise each
-    rank removes what it can, best effort."""
+def _abandon(root: str, tmp: str, token: str, rank: int, pg, collective: bool) -> None:
+    """Remove a failed save's partial directory on every rank and drop the lock. After a
+    failure every rank saw (``collective``: DCP's, the group still works) rank 0 removes it
+    first and the others only what their filesystem still shows (ranks on their own disks);
+    otherwise each rank removes what it can, best effort."""
     def barrier():
         try:
             dist.barrier(group=pg)
         except Exception:  # pragma: no cover - a peer died during the cleanup
             pass
 
-    if pg is not None or not _use_dist(pg):
+    if collective:
         if _use_dist(pg):
             barrier()
         if rank == 0:
@@ -403,79 +343,3 @@ def _cleanup(root: str, keep_last: int | None, keep: str) -> list[str]:
         if n.startswith(_DELETING):  # renamed away by a lock holder: never live data
             shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     return notes
-
-def load_latest(
-    root: str | os.PathLike,
-    state: dict[str, Any] | None = None,
-    *,
-    strict: bool = True,
-    missing_ok: bool = False,
-    process_group=None,
-) -> Checkpoint | None:
-    """Load the newest published checkpoint under ``root``.
-
-    With ``state`` (what ``dcp.load`` takes) it is loaded in place, resharded to the
-    current layout, after checking that keys and shapes match the checkpoint exactly (both
-    ways when ``strict``; see :func:`ragged_fsdp.checkpoint.load`). Without ``state`` every
-    rank reads the whole checkpoint as plain tensors (``Checkpoint.state``). Collective when
-    ``state`` holds DTensors.
-
-    A ``step-<n>`` directory newer than the one loaded that is not a complete checkpoint
-    (no completion marker, no ``.metadata``) is skipped with a :class:`CheckpointWarning`
-    naming it and why (on rank 0), and listed in ``Checkpoint.skipped`` on every rank.
-
-    When there is nothing to load (``root`` does not exist, or holds no published
-    checkpoint) this raises ``FileNotFoundError`` naming ``root``: a mistyped path must not
-    silently restart training. Pass ``missing_ok=True`` to get ``None`` instead (the first
-    run of a job that resumes when it can)."""
-    root = os.fspath(root)
-    if _rank(process_group) == 0:
-        try:
-            found = _find_latest(root, missing_ok)
-        except (OSError, ValueError) as e:
-            found = e
-    else:
-        found = None
-    found = _bcast(found, process_group)
-    if isinstance(found, Exception):
-        raise found
-    if found is None:
-        return None
-    if found.skipped and _rank(process_group) == 0:
-        for p, why in found.skipped:
-            warnings.warn(f"load_latest: skipped {p}, newer than the step {found.step} it loads: {why}",
-                          CheckpointWarning, stacklevel=2)
-    if state is None:
-        from .convert import read_full
-
-        found.state = read_full(found.path)
-        return found
-    _strict_load(state, found.path, strict=strict, process_group=process_group)
-    found.state = state
-    return found
-
-
-def _find_latest(root: str, missing_ok: bool) -> Checkpoint | None:
-    hint = "; pass missing_ok=True to start fresh when there is none"
-    if not os.path.exists(root):
-        if missing_ok:
-            return None
-        raise FileNotFoundError(f"load_latest: checkpoint root {root} does not exist{hint}")
-    if not os.path.isdir(root):
-        raise NotADirectoryError(f"load_latest: checkpoint root {root} is a file, not a directory")
-    if os.path.isfile(os.path.join(root, ".metadata")):
-        raise ValueError(
-            f"load_latest: {root} is a checkpoint directory itself, not a root of step-<n> "
-            "checkpoints; load it with ragged_fsdp.checkpoint.load(state, path)"
-        )
-    published, bad = _scan(root)
-    found = published[-1] if published else None
-    skipped = [(p, why) for n, p, why in bad if found is None or n > found.step]
-    if found is None and not missing_ok:
-        partial = [n for n in os.listdir(root) if n.startswith(_PARTIAL)]
-        extra = f" ({len(partial)} unfinished save(s) skipped)" if partial else ""
-        extra += "".join(f"; skipped {p}: {why}" for p, why in skipped)
-        raise FileNotFoundError(f"load_latest: no published checkpoint under {root}{extra}{hint}")
-    if found is not None:
-        found.skipped = skipped
-    return found

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from typing import Any
 
 import torch
@@ -15,7 +16,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ._tree import set_element
+from .atomic import save
+from .errors import CheckpointWarning
 from .integrity import ChecksummedWriter
+from .listing import scan
 from .strict import dcp_load_verified, quiet_single_process, read_metadata
 
 __all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp"]
@@ -27,11 +31,13 @@ def resolve(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
-    from .atomic import latest_checkpoint
-
     if os.path.isdir(path):
-        found = latest_checkpoint(path)
-        if found is not None:
+        published, bad = scan(path)
+        if published:
+            found = published[-1]
+            for n, p, why in bad:
+                if n > found.step:
+                    warnings.warn(f"skipped {p}, newer than {found.path}: {why}", CheckpointWarning, stacklevel=2)
             return found.path
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
@@ -114,8 +120,6 @@ def torch_save_to_dcp(
         state = {key: state}
     out = os.fspath(out)
     if root:
-        from .atomic import save
-
         return save(state, out, step=step).path
     if os.path.exists(os.path.join(out, ".metadata")):
         raise FileExistsError(f"{out} already holds a DCP checkpoint; remove it or pick another directory")
