@@ -152,7 +152,12 @@ def _where_am_i() -> tuple[int, int]:
 def _param_layouts(opt) -> list[tuple]:
     out = []
     for p in chain.from_iterable(g["params"] for g in opt.param_groups):
-        lay = layout_of(p)
+        try:
+            lay = layout_of(p)
+        except ValueError:  # a DTensor layout only torch's per-tensor fallback steps (AdamW)
+            out.append((tuple(p.shape), repr(tuple(p.placements)), (0, p.to_local().numel()), p.device_mesh.size(),
+                        tuple(p.device_mesh.get_coordinate() or ())))
+            continue
         out.append((tuple(lay.shape), lay.kind, tuple(lay.local_range), lay.world,
                     tuple(lay.outer_offset) if lay.outer_offset is not None else None))
     return out
