@@ -15,10 +15,11 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
-from _dist import check_case, run_cases
+from _dist import check_case, full, global_batch, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
 from ragged_fsdp.fsdp.consistency import LayoutMismatchError
+from ragged_fsdp.models.llama import Llama, LlamaConfig
 from ragged_fsdp.placement import RaggedShard, from_local
 
 
@@ -124,6 +125,121 @@ def case_run_check_wrong_piece_2d_mesh(rank, world):
     _raises(ValueError, text, lambda: from_local(local, mesh, [Replicate(), p], (4, 2), run_check=True))
 
 
+# -- torch.amp.GradScaler on sharded gradients --------------------------------------------
+
+def _inject_inf(model, rank):
+    """Put an inf into one element of this rank's piece of the first gradient it holds any of."""
+    for p in model.parameters():
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        if local.numel():
+            with torch.no_grad():
+                local.view(-1)[0] = float("inf")
+            return
+    raise AssertionError(f"rank {rank} holds no gradient element")
+
+
+def _scaled_step(model, opt, scaler, t, y, inject=False, rank=0):
+    loss = model.loss(t, y)
+    scaler.scale(loss).backward()
+    if inject:
+        _inject_inf(model, rank)
+    scaler.unscale_(opt)
+    grads = {n: full(p.grad).clone() for n, p in model.named_parameters()}
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    return grads
+
+
+def case_grad_scaler_fp16_against_fsdp2(rank, world):
+    """fp16 compute (MixedPrecisionPolicy), ragged and torch's FSDP2 side by side: an inf in
+    rank 1's piece of one gradient skips the step on every rank and halves the scale, for
+    both; the next, finite step matches FSDP2's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    cfg = LlamaConfig.tiny()
+    runs = []
+    for shard in (fully_shard, torch_fully_shard):
+        torch.manual_seed(0)
+        m = Llama(cfg)
+        for block in m.layers:
+            shard(block, mesh=mesh, mp_policy=mp)
+        shard(m, mesh=mesh, mp_policy=mp)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000)
+        before = {n: full(p).detach().clone() for n, p in m.named_parameters()}
+        tokens, targets = global_batch(0, 2 * world, 16, cfg.vocab_size)
+        t, y = tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]
+        _scaled_step(m, opt, scaler, t, y, inject=rank == 1, rank=rank)
+        assert scaler.get_scale() == 2.0 ** 11, f"{shard.__module__}: scale {scaler.get_scale()}"
+        for n, p in m.named_parameters():
+            assert torch.equal(full(p), before[n]), f"{shard.__module__}: {n} changed in a skipped step"
+        tokens, targets = global_batch(1, 2 * world, 16, cfg.vocab_size)
+        t, y = tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]
+        grads = _scaled_step(m, opt, scaler, t, y)
+        assert scaler.get_scale() == 2.0 ** 11
+        runs.append((grads, {n: full(p).detach() for n, p in m.named_parameters()}, before))
+    (g_r, p_r, b_r), (g_t, p_t, b_t) = runs
+    for n in g_t:
+        assert torch.equal(b_r[n], b_t[n]), n
+        scale = g_t[n].abs().max().item()
+        err = (g_r[n] - g_t[n]).abs().max().item()
+        assert err <= 2e-3 * scale + 1e-6, f"{n}: unscaled grad differs from FSDP2's by {err:.2e} (max {scale:.2e})"
+        assert torch.isfinite(g_r[n]).all() and not torch.equal(p_r[n], b_r[n]), f"{n}: the finite step did not move it"
+        err = (p_r[n] - p_t[n]).abs().max().item()
+        assert err <= 0.5 * (2e-3 * scale + 1e-6), f"{n}: parameter differs from FSDP2's by {err:.2e}"
+
+
+def case_grad_scaler_against_one_process(rank, world):
+    """fp32 parameters with a GradScaler: three SGD steps, the middle one with an inf on one
+    rank, against one process given the same global batches (and the inf, which skips its
+    step too). Power-of-two scales are exact, so only the reduction order differs."""
+    cfg = LlamaConfig.tiny()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    torch.manual_seed(0)
+    m = Llama(cfg)
+    for block in m.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    pairs = []
+    for model in (m, ref):
+        pairs.append((torch.optim.SGD(model.parameters(), lr=0.5),
+                      torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)))
+    (opt, scaler), (ref_opt, ref_scaler) = pairs
+    for step in range(3):
+        tokens, targets = global_batch(step, 2 * world, 16, cfg.vocab_size)
+        t, y = tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]
+        _scaled_step(m, opt, scaler, t, y, inject=step == 1 and rank == world - 1, rank=rank)
+        _scaled_step(ref, ref_opt, ref_scaler, tokens, targets, inject=step == 1)
+        assert scaler.get_scale() == ref_scaler.get_scale(), (step, scaler.get_scale(), ref_scaler.get_scale())
+        named = dict(ref.named_parameters())
+        for n, p in m.named_parameters():
+            err = (full(p) - named[n]).abs().max().item()
+            assert err <= 1e-5, f"step {step}: {n} differs from one process by {err:.2e}"
+    # grew after step 0, halved at the inf, grew again
+    assert scaler.get_scale() == 2.0 ** 9, scaler.get_scale()
+
+
+CASES_2 = [
+    case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
+]
+
+
+@pytest.fixture(scope="module")
+def results2():
+    return run_cases(2, CASES_2)
+
+
+@pytest.mark.parametrize("case", CASES_2, ids=lambda c: c.__name__)
+def test_w2(results2, case):
+    check_case(results2, case, 2)
+
+
 CASES_4 = [
     case_mesh_answer_depends_on_rank, case_mesh_answer_same_names_other_ranks,
     case_mesh_answer_raises_on_one_rank, case_mesh_answer_same_slice_everywhere,
@@ -139,3 +255,4 @@ def results4():
 @pytest.mark.parametrize("case", CASES_4, ids=lambda c: c.__name__)
 def test_w4(results4, case):
     check_case(results4, case, 4)
+
