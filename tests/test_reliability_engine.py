@@ -225,8 +225,43 @@ def case_grad_scaler_against_one_process(rank, world):
     assert scaler.get_scale() == 2.0 ** 9, scaler.get_scale()
 
 
+# -- refusals -----------------------------------------------------------------------------
+
+def case_refuse_bad_shard_dims(rank, world):
+    """A Shard(dim) the parameter has no dim for is refused naming it, as FSDP2 does."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+
+    mesh = init_device_mesh("cpu", (world,))
+    _raises(ValueError, "'weight' of shape (4, 8), which has no dim 5",
+            lambda: fully_shard(nn.Linear(8, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(5)))
+    _raises(ValueError, "no dim -3",
+            lambda: fully_shard(nn.Linear(8, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(-3)))
+    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    _raises(ValueError, "'bias' of shape (4,), which has no dim 1", lambda: fully_shard(
+        nn.Linear(8, 4), mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), info)))
+    # dims the parameters have are accepted (the planner still chooses the layout)
+    fully_shard(nn.Linear(8, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(-1))
+    fully_shard(nn.Linear(8, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+
+
+def case_refuse_user_ragged_param(rank, world):
+    """A RaggedShard DTensor the user made is not 'sharded by an enclosing fully_shard'."""
+    from ragged_fsdp.placement import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    lin = nn.Linear(8, 4)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [RaggedShard((0,), (3, 1))]))
+    err = _raises(ValueError, "is a RaggedShard DTensor", lambda: fully_shard(lin, mesh=mesh))
+    assert "no fully_shard made" in str(err) and "full_tensor()" in str(err) and "enclosing" not in str(err)
+    parent = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    fully_shard(parent, mesh=mesh)
+    _raises(ValueError, "already sharded by the fully_shard of an enclosing module",
+            lambda: fully_shard(parent[0], mesh=mesh))
+
+
 CASES_2 = [
     case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
+    case_refuse_bad_shard_dims, case_refuse_user_ragged_param,
 ]
 
 
@@ -256,3 +291,23 @@ def results4():
 def test_w4(results4, case):
     check_case(results4, case, 4)
 
+
+# -- BlockFP8's arguments (no process group) ----------------------------------------------
+
+@pytest.mark.parametrize("kwargs, exc, text", [
+    (dict(tile=(True, True)), ValueError, "two positive ints"),
+    (dict(tile=(128, False)), ValueError, "two positive ints"),
+    (dict(min_numel=True), ValueError, "min_numel=True must be an int"),
+    (dict(param_filter="x"), TypeError, "param_filter='x' must be a callable"),
+])
+def test_blockfp8_refuses(kwargs, exc, text):
+    from ragged_fsdp.quant import BlockFP8
+
+    _raises(exc, text, lambda: BlockFP8(**kwargs))
+
+
+def test_blockfp8_accepts():
+    from ragged_fsdp.quant import BlockFP8
+
+    q = BlockFP8(tile=(2, 4), min_numel=0, param_filter=lambda n, p: n.startswith("w"))
+    assert q.tile == (2, 4) and q.applies("w", torch.zeros(2, 4)) and not q.applies("v", torch.zeros(2, 4))

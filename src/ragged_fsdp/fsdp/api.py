@@ -25,7 +25,7 @@ from ragged_fsdp.quant import BlockFP8
 
 from .device import device_for
 from .init import (
-    collect_params, default_mesh, mark_managed, mesh_device, move_buffers, node_comm, param_device,
+    collect_params, default_mesh, mark_managed, mark_sharded, mesh_device, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of, validate_mesh,
 )
 from .consistency import check_same_answers
@@ -128,6 +128,8 @@ def fully_shard(
                 group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
             mark_managed(p)
+        for info in group.infos:
+            mark_sharded(info.sharded)
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)

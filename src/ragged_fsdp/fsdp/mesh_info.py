@@ -30,7 +30,7 @@ from .collectives import Comm
 
 __all__ = [
     "DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh", "place_params",
-    "describe_dp",
+    "describe_dp", "check_shard_answer",
 ]
 
 
@@ -233,6 +233,31 @@ def describe_dp(dp: DPMesh) -> str:
     return out
 
 
+def check_shard_answer(fqn: str, p: torch.Tensor, result) -> None:
+    """Refuse a ``Shard(dim)`` the parameter has no such dim for, as torch's FSDP2 does (a
+    0-d parameter takes ``Shard(0)``: it is kept whole)."""
+    if isinstance(result, Shard):
+        placement = result
+    elif hasattr(result, "mesh_info"):
+        placement = result.placement
+        if placement is not None and not isinstance(placement, Shard):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned placement {placement!r} for {fqn!r}; "
+                "expected ShardPlacementResult(Shard(dim) or None, mesh_info)"
+            )
+    else:
+        return  # None keeps the default; anything else is refused by shard_placement_mesh
+    if placement is None:
+        return
+    n = max(p.dim(), 1)
+    if not -n <= placement.dim < n:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement} for parameter {fqn!r} of shape "
+            f"{tuple(p.shape)}, which has no dim {placement.dim}; return Shard(k) with "
+            f"-{n} <= k < {n}, or None for the default"
+        )
+
+
 def place_params(params, shard_placement_fn, dp: DPMesh):
     """Every parameter's placement, and with a ``shard_placement_fn`` one line per parameter
     naming the mesh its answer chose, for the cross-rank check.
@@ -248,6 +273,7 @@ def place_params(params, shard_placement_fn, dp: DPMesh):
             own = dp
             if shard_placement_fn is not None:
                 result = shard_placement_fn(p)
+                check_shard_answer(name, p, result)
                 own = shard_placement_mesh(result, dp, meshes)
                 lines.append(f"{name}: {describe_dp(own)}")
             placed.append(place_param(name, p, own))
