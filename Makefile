@@ -6,7 +6,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench plan clean gpu-check
+.PHONY: demo test test-torch214 bench plan clean gpu-check
+
+# A second torch for CI: a representative subset of the suite (placement, engine numerics and
+# patterns, checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on
+# local disk (a CUDA build; it runs on the CPU); only pytest and hypothesis come with it.
+VENV214 := .venv-torch214
+STAMP214 := $(VENV214)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+TORCH214_TESTS := tests/test_placement.py tests/test_placement_dist.py tests/test_placement_nd.py \
+	tests/test_patterns_placement.py tests/test_fsdp_numerics.py tests/test_patterns_engine.py \
+	tests/test_checkpoint.py tests/test_patterns_checkpoint.py tests/test_optim_api.py \
+	tests/test_optim_dist.py tests/test_reliability_engine.py
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +32,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+$(STAMP214): pyproject.toml
+	test -x $(VENV214)/bin/python || $(PY) -m venv $(VENV214)
+	$(VENV214)/bin/pip install -q torch==2.14.1
+	$(VENV214)/bin/pip install -q torch==2.14.1 'pytest>=8' 'hypothesis>=6' -e .
+	rm -f $(VENV214)/.installed-* && touch $@
+
+test-torch214: $(STAMP214)
+	$(VENV214)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__"
+	$(VENV214)/bin/python -m pytest $(TORCH214_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python -m ragged_fsdp bench
 
@@ -36,4 +56,4 @@ gpu-check:
 	mkdir -p $${OUT:-out} && PYTHONPATH=src timeout 240 python3 -m ragged_fsdp.bench.gpu --json $${OUT:-out}/gpu_bench.json
 
 clean:
-	rm -rf $(VENV) out build src/*.egg-info
+	rm -rf $(VENV) $(VENV214) out build src/*.egg-info

@@ -25,10 +25,11 @@ from ragged_fsdp.quant import BlockFP8
 
 from .device import device_for
 from .init import (
-    collect_params, default_mesh, mark_managed, mesh_device, move_buffers, node_comm, param_device,
+    collect_params, default_mesh, mark_managed, mark_sharded, mesh_device, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of, validate_mesh,
 )
-from .mesh_info import dp_mesh_of, place_param, shard_placement_mesh
+from .consistency import check_same_answers
+from .mesh_info import dp_mesh_of, place_params
 from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
@@ -104,11 +105,11 @@ def fully_shard(
     move_buffers(modules, device, where)
     state = FSDPState(modules, mp_policy, auto_reshard=reshard_after_forward is None)
     if params:
-        meshes: dict = {}
-        placed = []
-        for name, p, _ in params:
-            own = shard_placement_mesh(shard_placement_fn(p), dp, meshes) if shard_placement_fn else dp
-            placed.append(place_param(name, p, own))
+        placed, answers, error = place_params(params, shard_placement_fn, dp)
+        if shard_placement_fn is not None:  # per-parameter meshes: every rank must pick the same
+            check_same_answers(mesh, answers, error, type(modules[0]).__name__)
+        elif error is not None:
+            raise error
         if not isinstance(raf, bool) and (
             any(pl.dp is not dp for pl in placed) or dp.replicate is not None or dp.spmd_mesh is not None
         ):
@@ -127,6 +128,8 @@ def fully_shard(
                 group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
             mark_managed(p)
+        for info in group.infos:
+            mark_sharded(info.sharded)
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)

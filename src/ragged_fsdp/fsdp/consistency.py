@@ -16,7 +16,10 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["describe_layouts", "layout_fingerprint", "check_same_layout", "LayoutMismatchError"]
+__all__ = [
+    "describe_layouts", "layout_fingerprint", "check_same_layout", "check_same_answers",
+    "LayoutMismatchError",
+]
 
 
 class LayoutMismatchError(RuntimeError):
@@ -96,3 +99,59 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
 
 def _pad(a: list[str], b: list[str]) -> list[str]:
     return a + ["<none>"] * (len(b) - len(a))
+
+
+def _max_over_mesh(t: torch.Tensor, mesh) -> None:
+    """MAX-reduce ``t`` over every rank of ``mesh``: one all-reduce per mesh dim, in dim
+    order on every rank (after dim 0 each row holds its column's max, after dim 1 all do)."""
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+
+def check_same_answers(mesh, lines: list[str], error: Exception | None, what: str) -> None:
+    """Raise on every rank of ``mesh`` if any rank failed to place its parameters or placed
+    them on other meshes (``lines``: one rank-independent line per parameter, see
+    ``mesh_info.place_params``).
+
+    Each rank builds its groups' buffers over the meshes its ``shard_placement_fn`` chose;
+    if those differ between ranks, the ranks enter collectives on different groups and wait
+    for each other until the timeout. So before any of that, every rank of the mesh passed to
+    ``fully_shard`` compares a fingerprint of its answers (and its failure flag); only when they
+    differ does a second all-reduce of one fingerprint per parameter find the first parameter
+    whose answer differs, so that every rank names the same one."""
+    if mesh.size() == 1:
+        if error is not None:
+            raise error
+        return
+    h = layout_fingerprint(lines) if error is None else 0
+    n = len(lines) if error is None else 0
+    flags = torch.tensor([int(error is not None), h, -h, n, -n], dtype=torch.int64, device=_device(mesh))
+    _max_over_mesh(flags, mesh)
+    failed, hi, neg_lo, n_hi, neg_n_lo = (int(x) for x in flags.tolist())
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn or the parameter placement failed on another rank "
+            f"for {what} (see its error); every rank must give every parameter the same answer"
+        )
+    if hi == h and -neg_lo == h:
+        return
+    fix = ("shard_placement_fn must give each parameter the same answer on every rank (the same "
+           "mesh, sliced from the same root mesh by the same dim names): it must not depend on the rank")
+    if n_hi != -neg_n_lo:
+        raise LayoutMismatchError(
+            f"fully_shard: ranks collected {-neg_n_lo} to {n_hi} parameters for {what} (this rank "
+            f"{n}); every rank must wrap the same module with the same parameters")
+    each = torch.tensor([layout_fingerprint([line]) for line in lines], dtype=torch.int64, device=flags.device)
+    both = torch.cat([each, -each])
+    _max_over_mesh(both, mesh)
+    for i, line in enumerate(lines):
+        if int(both[i]) != int(each[i]) or -int(both[n + i]) != int(each[i]):
+            name, _, mine = line.partition(": ")
+            raise LayoutMismatchError(
+                f"fully_shard: ranks disagree on the mesh of parameter {name!r} of {what}: this "
+                f"rank ({dist.get_rank()}) has {mine}, another rank of the mesh has another. {fix}")
+    raise LayoutMismatchError(f"fully_shard: ranks disagree on the parameter meshes of {what}. {fix}")

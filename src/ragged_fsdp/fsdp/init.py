@@ -19,12 +19,13 @@ from .collectives import Comm
 from .sharded_param import is_sharded_param
 
 __all__ = [
-    "state_of", "set_state", "mark_managed", "default_mesh", "validate_mesh", "mesh_device",
+    "state_of", "set_state", "mark_managed", "mark_sharded", "default_mesh", "validate_mesh", "mesh_device",
     "resolve_reshard_after_forward", "node_comm", "collect_params", "walk", "param_device", "move_buffers",
 ]
 
 _STATE_ATTR = "_ragged_fsdp_state"
 _managed_params: dict[int, weakref.ref] = {}  # id -> original parameters a group took
+_group_sharded: dict[int, weakref.ref] = {}  # id -> sharded parameters a group made
 
 
 def state_of(module: nn.Module):
@@ -39,6 +40,27 @@ def set_state(module: nn.Module, state) -> None:
 def mark_managed(param: nn.Parameter) -> None:
     """Remember that a group took ``param`` (to catch a tied parameter split across groups)."""
     _managed_params[id(param)] = weakref.ref(param)
+
+
+def mark_sharded(param: nn.Parameter) -> None:
+    """Remember a sharded parameter a group made (it keeps its identity when re-pointed)."""
+    _group_sharded[id(param)] = weakref.ref(param)
+
+
+def _already_sharded(fqn: str, root: nn.Module, p) -> ValueError:
+    ref = _group_sharded.get(id(p))
+    if ref is not None and ref() is p:
+        return ValueError(
+            f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already sharded by the "
+            "fully_shard of an enclosing module. Apply fully_shard bottom-up: children first, "
+            "then their parents"
+        )
+    return ValueError(
+        f"fully_shard: parameter {fqn!r} of {type(root).__name__} is a RaggedShard DTensor "
+        f"(placements {tuple(p.placements)}) that no fully_shard made. fully_shard takes the full "
+        "parameters and lays out the RaggedShard itself: register the full tensor instead (e.g. "
+        "nn.Parameter(t.full_tensor())), or a torch DTensor for tensor/expert parallelism"
+    )
 
 
 def default_mesh() -> DeviceMesh:
@@ -137,11 +159,7 @@ def collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tuple
                 fqn = f"{mod_name}.{pname}" if mod_name else pname
                 if id(p) not in out:
                     if is_sharded_param(p):
-                        raise ValueError(
-                            f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already sharded "
-                            "by the fully_shard of an enclosing module. Apply fully_shard bottom-up: "
-                            "children first, then their parents"
-                        )
+                        raise _already_sharded(fqn, root, p)
                     ref = _managed_params.get(id(p))
                     if ref is not None and ref() is p:
                         raise ValueError(

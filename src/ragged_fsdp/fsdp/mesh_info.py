@@ -28,7 +28,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .collectives import Comm
 
-__all__ = ["DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh"]
+__all__ = [
+    "DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh", "place_params",
+    "describe_dp", "check_shard_answer",
+]
 
 
 @dataclass(eq=False)
@@ -196,3 +199,84 @@ def place_param(fqn: str, p: nn.Parameter, dp: DPMesh) -> ParamPlacement:
         placements = dp.dp_placements() + tuple(p.placements)
         return ParamPlacement(p._local_tensor, dp, mesh, placements, p._spec)
     return ParamPlacement(p, dp, dp.mesh, dp.dp_placements(), None)
+
+
+# -- what every rank must agree on (checked by consistency.check_same_answers) -------------
+
+def mesh_signature(mesh: DeviceMesh) -> str:
+    """A mesh as a string that is the same on every rank of it: device, dim names, sizes and
+    the ranks of every group (torch's layout over the root rank map; a slice's own ``mesh``
+    tensor differs from rank to rank, its layout does not)."""
+    layout, rank_map = getattr(mesh, "_layout", None), getattr(mesh, "_rank_map", None)
+    if layout is not None and rank_map is not None:
+        groups = f"layout={layout} ranks={tuple(int(r) for r in rank_map.tolist())}"
+    else:  # older torch: the root mesh and this mesh's dim names say which slice it is
+        groups = f"root={mesh._get_root_mesh().mesh.tolist()}"
+    return f"{mesh.device_type} dims={mesh.mesh_dim_names} shape={tuple(mesh.shape)} {groups}"
+
+
+def _dim_of(mesh: DeviceMesh, comm: Comm) -> str:
+    """Which dim of ``mesh`` a group is (rank-independent, unlike the group's ranks)."""
+    for d in range(mesh.ndim):
+        if mesh.get_group(d) is comm.group:
+            return str(d)
+    return f"a group of {comm.world_size} outside it"
+
+
+def describe_dp(dp: DPMesh) -> str:
+    """What must be identical on every rank about the data-parallel mesh a parameter uses."""
+    out = f"mesh {mesh_signature(dp.mesh)} shard dim {_dim_of(dp.mesh, dp.shard)}"
+    if dp.replicate is not None:
+        out += f" replicate dim {_dim_of(dp.mesh, dp.replicate)}"
+    if dp.spmd_mesh is not None:
+        out += f" spmd {mesh_signature(dp.spmd_mesh)} dp dims ({dp.shard_index}, {dp.replicate_index})"
+    return out
+
+
+def check_shard_answer(fqn: str, p: torch.Tensor, result) -> None:
+    """Refuse a ``Shard(dim)`` the parameter has no such dim for, as torch's FSDP2 does (a
+    0-d parameter takes ``Shard(0)``: it is kept whole)."""
+    if isinstance(result, Shard):
+        placement = result
+    elif hasattr(result, "mesh_info"):
+        placement = result.placement
+        if placement is not None and not isinstance(placement, Shard):
+            raise TypeError(
+                f"fully_shard: shard_placement_fn returned placement {placement!r} for {fqn!r}; "
+                "expected ShardPlacementResult(Shard(dim) or None, mesh_info)"
+            )
+    else:
+        return  # None keeps the default; anything else is refused by shard_placement_mesh
+    if placement is None:
+        return
+    n = max(p.dim(), 1)
+    if not -n <= placement.dim < n:
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returned {placement} for parameter {fqn!r} of shape "
+            f"{tuple(p.shape)}, which has no dim {placement.dim}; return Shard(k) with "
+            f"-{n} <= k < {n}, or None for the default"
+        )
+
+
+def place_params(params, shard_placement_fn, dp: DPMesh):
+    """Every parameter's placement, and with a ``shard_placement_fn`` one line per parameter
+    naming the mesh its answer chose, for the cross-rank check.
+
+    A failure (the user's function raising, a bad answer, a DTensor that does not compose)
+    is handed back instead of raised, so the check can raise it on every rank: raised here
+    on one rank only, the others would wait in the check's collective until the timeout.
+    Returns ``(placed, lines, error)``."""
+    meshes: dict = {}
+    placed, lines = [], []
+    try:
+        for name, p, _ in params:
+            own = dp
+            if shard_placement_fn is not None:
+                result = shard_placement_fn(p)
+                check_shard_answer(name, p, result)
+                own = shard_placement_mesh(result, dp, meshes)
+                lines.append(f"{name}: {describe_dp(own)}")
+            placed.append(place_param(name, p, own))
+    except Exception as e:  # noqa: BLE001 - the user's function may raise anything; re-raised by the check
+        return None, lines, e
+    return placed, lines, None

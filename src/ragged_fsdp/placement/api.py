@@ -51,6 +51,8 @@ def from_local(
     rank = mesh.get_local_rank(d)
     want = expected_local_shape(spec)
     n = math.prod(want)
+    if run_check:
+        _check_pieces(local, spec, d)
     if local.numel() != n:
         raise ValueError(
             f"from_local: rank {rank} holds {local.numel()} elements but {spec.placements[d]} "
@@ -58,15 +60,6 @@ def from_local(
         )
     if tuple(local.shape) != tuple(want):
         local = local.view(want)
-    if run_check:
-        sizes = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
-        group = mesh.get_group(d)
-        got = [torch.zeros_like(sizes) for _ in range(mesh.size(d))]
-        dist.all_gather(got, sizes, group=group)
-        ranges = element_ranges(spec)
-        for r, g in enumerate(got):
-            if int(g) != ranges[r][1] - ranges[r][0]:
-                raise ValueError(f"from_local: rank {r} holds {int(g)} elements, its placement says otherwise")
     if torch.is_grad_enabled() and local.requires_grad:
         out = _FromLocal.apply(local, spec)
     else:
@@ -74,6 +67,37 @@ def from_local(
     if requires_grad is not None:
         out.requires_grad_(requires_grad)
     return out
+
+
+def _check_pieces(local: torch.Tensor, spec, d: int) -> None:
+    """``run_check``: every rank of the mesh raises if any rank's piece has the wrong size.
+
+    The sizes are gathered over the RaggedShard's mesh dim (so those ranks can name the rank
+    at fault), then a failure flag is MAX-reduced over every mesh dim: a rank that raised on
+    its own piece before these collectives would leave its peers waiting in them."""
+    mesh = spec.mesh
+    group = mesh.get_group(d)
+    sizes = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
+    got = [torch.zeros_like(sizes) for _ in range(mesh.size(d))]
+    dist.all_gather(got, sizes, group=group)
+    ranges = element_ranges(spec)
+    wrong = [(r, int(g), b - a) for r, (g, (a, b)) in enumerate(zip(got, ranges)) if int(g) != b - a]
+    flag = torch.tensor([int(bool(wrong))], dtype=torch.int64, device=local.device)
+    for k in range(mesh.ndim):
+        if mesh.size(k) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(k))
+    if wrong:
+        name = mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d
+        said = "; ".join(f"rank {r} holds {g} elements, {spec.placements[d]} gives it {w}" for r, g, w in wrong)
+        raise ValueError(
+            f"from_local(run_check=True): on mesh dim {name!r}, {said} (tensor shape "
+            f"{tuple(spec.shape)}); every rank must pass its exact piece of the same placement"
+        )
+    if int(flag):
+        raise ValueError(
+            "from_local(run_check=True): another rank of the mesh found a piece of the wrong size "
+            "(see its error); every rank must pass its exact piece of the same placement"
+        )
 
 
 def distribute_tensor(

@@ -47,6 +47,7 @@ _RANDOM_OPS = {
     aten.randint_like.low_dtype,
 }
 _NEW_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+_AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 _BOOL_OPS = {aten.equal.default, aten.is_same_size.default}
 _FOREACH_NORM = {aten._foreach_norm.Scalar}
 _REDUCTIONS = {
@@ -79,6 +80,8 @@ def dispatch(func, args, kwargs):
         return func(args[0]._local_tensor, *args[1:], **kwargs)
     if func in _BOOL_OPS:
         return _bool_op(func, args, kwargs)
+    if func is _AMP_UNSCALE:
+        return _amp_unscale(args, kwargs)
     if _is_local_op(func):
         return _local(func, args, kwargs)
     raise NotImplementedError(
@@ -190,6 +193,40 @@ def _all_reduce(t: torch.Tensor, op, groups) -> None:
     for g in groups:
         if dist.get_world_size(g) > 1:
             dist.all_reduce(t, op=op, group=g)
+
+
+# -- GradScaler --------------------------------------------------------------------------
+
+def _amp_unscale(args, kwargs):
+    """``GradScaler.unscale_``: unscale every rank's pieces, then MAX-reduce the found-inf
+    flag over each group that splits one of the gradients, so an inf on any rank skips the
+    step and lowers the scale on every rank (torch's DTensor does this for its own
+    placements; Replicate dims hold the same gradient, so they need no reduction)."""
+    grads, found_inf, inv_scale = _amp_args(args, kwargs)
+    aten._amp_foreach_non_finite_check_and_unscale_(
+        [g._local_tensor if isinstance(g, DTensor) else g for g in grads], found_inf, inv_scale)
+    groups, seen = [], set()
+    for g in grads:
+        if not isinstance(g, DTensor):
+            continue
+        split = _groups(g) if isinstance(g, RaggedDTensor) else tuple(
+            g.device_mesh.get_group(i) for i, p in enumerate(g.placements) if not isinstance(p, Replicate))
+        for group in split:
+            if id(group) not in seen:  # same order on every rank: the gradients' order
+                seen.add(id(group))
+                groups.append(group)
+    _all_reduce(found_inf, dist.ReduceOp.MAX, groups)
+
+
+def _amp_args(args, kwargs):
+    names = ("self", "found_inf", "inv_scale")
+    vals = list(args) + [kwargs[n] for n in names[len(args):]]
+    if isinstance(vals[1], DTensor) or isinstance(vals[2], DTensor):
+        raise ValueError(
+            "ragged_fsdp: _amp_foreach_non_finite_check_and_unscale_ takes found_inf and inv_scale "
+            "as plain tensors (as torch.amp.GradScaler passes them)"
+        )
+    return vals
 
 
 # -- random fills ------------------------------------------------------------------------

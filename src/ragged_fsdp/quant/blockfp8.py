@@ -38,6 +38,10 @@ FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "
                    if hasattr(torch, n))
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not a size
+
+
 @dataclass(frozen=True)
 class BlockFP8:
     """All-gather quantisation policy for ``fully_shard(all_gather_quant=...)``.
@@ -57,14 +61,19 @@ class BlockFP8:
 
     def __post_init__(self):
         tile = tuple(self.tile) if isinstance(self.tile, (tuple, list)) else None
-        if tile is None or len(tile) != 2 or not all(isinstance(t, int) and t >= 1 for t in tile):
+        if tile is None or len(tile) != 2 or not all(_is_int(t) and t >= 1 for t in tile):
             raise ValueError(f"BlockFP8: tile={self.tile!r} must be two positive ints (rows, cols), e.g. (128, 128)")
         object.__setattr__(self, "tile", tile)
         if self.dtype not in FP8_DTYPES:
             names = ", ".join(str(d) for d in FP8_DTYPES)
             raise ValueError(f"BlockFP8: dtype={self.dtype} is not an fp8 format this torch can cast to; use one of {names}")
-        if self.min_numel is not None and (not isinstance(self.min_numel, int) or self.min_numel < 0):
+        if self.min_numel is not None and (not _is_int(self.min_numel) or self.min_numel < 0):
             raise ValueError(f"BlockFP8: min_numel={self.min_numel!r} must be an int >= 0 (or None for one tile)")
+        if self.param_filter is not None and not callable(self.param_filter):
+            raise TypeError(
+                f"BlockFP8: param_filter={self.param_filter!r} must be a callable (name, param) -> bool "
+                "or None (every eligible weight)"
+            )
 
     @property
     def fp8_max(self) -> float:
