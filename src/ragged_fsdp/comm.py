@@ -12,7 +12,8 @@ asynchronous, chunked) and by the placement (``reduce_scatter_runs`` below, unev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +47,24 @@ class Comm:
     def of(cls, group: dist.ProcessGroup) -> "Comm":
         return cls(group, dist.get_world_size(group), dist.get_rank(group), backend_of(group))
 
+    _host: Any = field(default=None, repr=False, compare=False)
+
     @property
     def gloo(self) -> bool:
         return "gloo" in self.backend and "nccl" not in self.backend
+
+    @property
+    def host_group(self) -> dist.ProcessGroup:
+        """A gloo group over the same ranks, for flags only the host knows: a CPU tensor
+        all-reduced there needs no device-to-host copy. Made on first use, by the group's
+        ranks only (``use_local_synchronization``), so every rank of the group must reach
+        its first use at the same collective point; on gloo it is the group itself."""
+        if self.gloo:
+            return self.group
+        if self._host is None:
+            ranks = dist.get_process_group_ranks(self.group)
+            self._host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return self._host
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
