@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ragged_fsdp.shapes import contiguous_stride  # noqa: F401 - re-exported (older imports)
+
 __all__ = [
     "Comm", "backend_of", "all_gather_single", "reduce_scatter_single", "contiguous_stride",
     "all_gather_runs", "reduce_scatter_runs", "all_to_all_flat",
@@ -65,15 +67,6 @@ class Comm:
             ranks = dist.get_process_group_ranks(self.group)
             self._host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
         return self._host
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (zero-size dims count as 1, as torch does)."""
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
 
 
 def all_to_all_flat(flat: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:

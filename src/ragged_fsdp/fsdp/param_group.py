@@ -33,22 +33,17 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
-from torch.distributed.tensor import DTensor
 
-from ragged_fsdp.dbuffer import DBuffer, plan_layout
-from ragged_fsdp.dbuffer.planning import parse_granularity
-from ragged_fsdp.placement import RaggedDTensor
-from ragged_fsdp.placement.dtensor import my_piece, spec_mismatch
+from ragged_fsdp.dbuffer import DBuffer
 
 from .backward import BackwardNeeds, ForwardRecord
+from .build import build_units
 from .common import ShardedState, TrainingState
-from .consistency import check_same_layout
 from .device import Device, Pending
 from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
-from .quant_gather import attach_quant, fp8_granularity
+from .moving import adopt_locals, adopt_registered
 from .reduction import Settings
-from .sharded_param import local_of, make_sharded_param, repoint
 from .unit import ParamInfo, Unit
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
@@ -61,11 +56,6 @@ class _Backward:
         self.fired = 0  # PostBackward nodes of this group that ran in this backward
         self.deferred_prefetch: ParamGroup | None = None  # the root's: issued at its first gradient
         self.post_forward_indices: list[int] = []
-
-
-def _embedding_only(owners) -> bool:
-    """A parameter only one nn.Embedding registers, as its weight (not tied to a head)."""
-    return len(owners) == 1 and isinstance(owners[0][0], nn.Embedding) and owners[0][1] == "weight"
 
 
 class ParamGroup:
@@ -119,93 +109,9 @@ class ParamGroup:
     def settings(self) -> Settings:
         return Settings(self.gradient_divide_factor, self.requires_all_reduce)
 
-    # -- construction ----------------------------------------------------------------------
     def _build(self, params, placed: list[ParamPlacement], granularity_fn) -> None:
-        # One unit per (mesh, dtype, trainable, fp8-gathered, embedding) kind. Embedding
-        # weights get their own: their gradients arrive at the very end of backward (the
-        # others' near the start), and their backward needs only the indices, so that buffer
-        # is neither kept unsharded nor re-gathered for backward (see backward.py).
-        # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
-        # experts over the dp ranks of their EP group: those get their own units.)
-        kinds: dict[tuple[int, torch.dtype, bool, bool, bool], list[int]] = {}
-        quant = self.all_gather_quant
-        dp_index = {id(d): k for k, d in enumerate(self.dps)}
-        for i, (name, p, owners) in enumerate(params):
-            fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
-            key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
-            kinds.setdefault(key, []).append(i)
-        layouts: list = [None] * len(kinds)
-        for k, dp in enumerate(self.dps):
-            mine = [(j, key, idx) for j, (key, idx) in enumerate(kinds.items()) if key[0] == k]
-            error = None
-            try:
-                for j, (_, dtype, _, fp8, _), idx in mine:
-                    layouts[j] = self._plan(params, placed, idx, dtype, granularity_fn, dp.shard.world_size,
-                                            dp.shard.rank, fp8)
-            except (ValueError, NotImplementedError, TypeError) as e:
-                error = e
-            # Every rank must have planned the same layout, or the all-gathers silently mix
-            # different tensors (or hang when the sizes differ): one small all-reduce to check.
-            check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
-                              [params[idx[0]][1].dtype for _, _, idx in mine], error, self._describe())
-        for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
-            compute, reduce_ = self._mp_dtypes(dtype)
-            buf = DBuffer(layout, device=self.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
-            if fp8:
-                attach_quant(buf, quant)
-            unit = Unit(len(self.units), buf, self.dps[dpk], embedding=embedding, group_name=self.name,
-                        after_grad=self._after_grad)
-            self.units.append(unit)
-            if embedding:
-                for i in idx:
-                    for module, _ in params[i][2]:
-                        self.needs.hook_embedding(module)
-            for j, i in enumerate(idx):
-                name, p, owners = params[i]
-                pl = placed[i]
-                data = pl.data.detach()
-                buf.copy_full_(j, data.to(self.device) if data.device.type not in ("meta", self.device.type) else data)
-                s = buf.slots[j]
-                sharded = make_sharded_param(buf.sharded_view(j), pl.mesh, pl.with_ragged(s.placement),
-                                             tuple(p.shape), p.requires_grad)
-                info = ParamInfo(name, unit.index, j, owners, sharded, unsharded_spec=pl.unsharded_spec,
-                                 dp_dims=pl.dp_dims)
-                info.register(sharded)
-                unit.infos.append(info)
-                self.infos.append(info)
+        build_units(self, params, placed, granularity_fn)
         self.needs.hook_owner_modules()
-
-    def _plan(self, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
-        """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
-        parallel split applies to (TP/EP-local for DTensor parameters); ``granularity_fn``
-        is asked about the parameter and applies to that local tensor."""
-        tensors, keys = [], set()
-        for j, i in enumerate(idx):
-            name, p, _ = params[i]
-            shape = tuple(placed[i].data.shape)
-            spec = None
-            if granularity_fn is not None:
-                raw = granularity_fn(name, p)
-                try:
-                    spec = parse_granularity(raw)
-                except ValueError as e:
-                    raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
-            if fp8:
-                spec = fp8_granularity(self.all_gather_quant, name, shape, spec)
-            key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
-            keys.add(key)
-            tensors.append((key, shape, spec))
-        try:
-            return plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
-        except (ValueError, NotImplementedError) as e:
-            raise ValueError(f"fully_shard: cannot lay out the parameters of {self._describe()}: {e}") from e
-
-    def _mp_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
-        if not dtype.is_floating_point:
-            return dtype, dtype
-        compute = self.mp_policy.param_dtype or dtype
-        reduce_ = self.mp_policy.reduce_dtype or compute
-        return compute, reduce_
 
     def _describe(self) -> str:
         return self.fqn or ", ".join(type(m).__name__ for m in self.modules)
@@ -463,51 +369,7 @@ class ParamGroup:
 
     # -- moving (nn.Module._apply, load_state_dict(assign=True)) ------------------------------
     def adopt_locals(self, locals_: list[torch.Tensor | None]) -> None:
-        """Rebuild the sharded segments from new local tensors (one per info, None = keep
-        the current data) and re-point the sharded parameters into them."""
-        new_of = {id(info): t for info, t in zip(self.infos, locals_)}
-        for u in self.units:
-            buf = u.buf
-            new = [new_of[id(info)] for info in u.infos]
-            known = [t for t in new if t is not None]
-            device = known[0].device if known else buf.device
-            dtype = known[0].dtype if known else buf.dtype
-            old = [local_of(info.sharded).detach() for info in u.infos]
-            if device != buf.device or dtype != buf.dtype:
-                buf.rebuild(device, dtype)
-                for info in u.infos:
-                    info.unsharded = None
-            for info, t, o in zip(u.infos, new, old):
-                src = t if t is not None else o
-                if src.device.type == "meta" and buf.device.type != "meta":
-                    pass  # no data to keep (to_empty of a list group moves its modules one by one)
-                elif src.data_ptr() != buf.sharded_view(info.slot).data_ptr() or src.device != buf.device:
-                    buf.copy_local_(info.slot, src.to(device=buf.device, dtype=buf.dtype))
-                repoint(info.sharded, buf.sharded_view(info.slot))
-                info.register(info.sharded)
+        adopt_locals(self, locals_)
 
     def adopt_registered(self) -> None:
-        """After ``load_state_dict(assign=True)`` replaced registered parameters: copy their
-        data into the DBuffer and point the sharded parameters back into it."""
-        self.reshard()
-        changed = False
-        new_locals: list[torch.Tensor | None] = []
-        for info in self.infos:
-            mod, name = info.owners[0]
-            cur = mod._parameters.get(name)
-            if cur is None or cur is info.sharded:
-                new_locals.append(None)
-                continue
-            changed = True
-            if isinstance(cur, RaggedDTensor) and spec_mismatch(cur._spec, info.sharded._spec) is None:
-                local = cur._local_tensor
-            else:
-                full = cur.full_tensor() if isinstance(cur, DTensor) else cur
-                if tuple(full.shape) != tuple(info.sharded.shape):
-                    raise ValueError(f"load_state_dict: {info.fqn} has shape {tuple(full.shape)}, expected {tuple(info.sharded.shape)}")
-                local = my_piece(full.detach(), info.sharded._spec)
-            if cur.requires_grad != info.sharded.requires_grad:
-                info.sharded.requires_grad_(cur.requires_grad)
-            new_locals.append(local.detach())
-        if changed:
-            self.adopt_locals(new_locals)
+        adopt_registered(self)

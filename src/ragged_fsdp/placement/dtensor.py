@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 from collections.abc import Sequence
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from ragged_fsdp.comm import contiguous_stride
+from ragged_fsdp.shapes import contiguous_stride, numel_of  # noqa: F401 - numel_of re-exported
 
 from .ragged_shard import RaggedShard
 
@@ -364,7 +363,3 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad._local_tensor if isinstance(grad, RaggedDTensor) else grad), None
-
-
-def numel_of(shape: Sequence[int]) -> int:
-    return math.prod(shape)
