@@ -115,8 +115,13 @@ class Reductions:
             r.wait()
 
     def clear(self) -> None:
-        """Drop this backward's states (after hand_out, or after an aborted step)."""
+        """Wait for everything and drop this backward's states (``reset_iter_state``)."""
         self.wait_all()
+        self.issued = []
+
+    def forget(self) -> None:
+        """Drop this backward's states without waiting (a backward that raised: its
+        reductions are never handed out; the collectives stay queued to be waited for)."""
         self.issued = []
 
     def _take_earlier(self, unit: Unit) -> Reduction | None:
@@ -214,7 +219,7 @@ class Reductions:
         trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
 
     # -- the end of backward -------------------------------------------------------------
-    def hand_out(self, groups: list, describe: Callable[[Unit], str]) -> None:
+    def hand_out(self, groups: list) -> None:
         """After every reduction finished: one all-reduce of the 'got a gradient' and
         'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
         its replicate dim under HSDP), on the host; then each unit points its sharded grads
@@ -222,6 +227,7 @@ class Reductions:
         same on every rank."""
         self.wait_all()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
+        describe = {id(u): g._describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
         self.issued = []
         by_dp: dict[int, list[Reduction]] = {}
@@ -241,7 +247,7 @@ class Reductions:
             mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
             if mixed:
                 raise RuntimeError(
-                    f"ragged_fsdp: the gradient reduction of {describe(mixed[0].unit)} (buffer {mixed[0].unit.index}) "
+                    f"ragged_fsdp: the gradient reduction of {describe.get(id(mixed[0].unit), '?')} (buffer {mixed[0].unit.index}) "
                     "ran early on some ranks and at the end of backward on others, so the collectives of that "
                     "backward paired different buffers. The modules owning its parameters must run (with inputs "
                     "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")

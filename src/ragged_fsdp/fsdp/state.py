@@ -64,6 +64,7 @@ class RootContext:
             self.forward_order = []
         self.post_forward_order.clear()
         self.callback_queued = False
+        self.reductions.forget()
 
     def next_in_forward(self, group: ParamGroup) -> ParamGroup | None:
         i = self._last_index.get(id(group))
@@ -239,7 +240,7 @@ class FSDPState:
             for st in reversed(states):
                 if st.group is not None:
                     st.group.end_backward()
-            ctx.reductions.hand_out([st.group for st in states if st.group is not None], _describe)
+            ctx.reductions.hand_out([st.group for st in states if st.group is not None])
         finally:
             ctx.reset(states, aborted=False)
 
@@ -267,7 +268,3 @@ class FSDPState:
             return x
 
         return tree_map(cast, output)
-
-
-def _describe(unit) -> str:
-    return unit.group_name()
