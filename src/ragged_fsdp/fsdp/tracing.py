@@ -56,10 +56,10 @@ class Trace:
         return len(self.events)
 
     def table(self) -> str:
-        rows = [f"{'kind':<15} {'buffer':<28} {'MiB':>9} {'phase':<8}"]
+        rows = [f"{'kind':<22} {'buffer':<24} {'MiB':>9}  phase"]
         for e in self.events:
             phase = "backward" if e.backward else "forward"
-            rows.append(f"{e.kind + (' (early)' if e.early else ''):<15} {e.buffer:<28} {e.bytes / 2**20:>9.3f} {phase:<8}")
+            rows.append(f"{e.kind + (' (early)' if e.early else ''):<22} {e.buffer:<24} {e.bytes / 2**20:>9.3f}  {phase}")
         return "\n".join(rows)
 
 
