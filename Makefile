@@ -31,6 +31,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+	# the engine's tests again on the ordering-checking device (tests/_checking_device.py), W = 2
+	RAGGED_FSDP_CHECK_ORDER=1 $(BIN)/python -m pytest -q tests/test_patterns_engine.py \
+		tests/test_fsdp_numerics.py tests/test_fsdp_mesh.py tests/test_optim_dist.py
 
 $(STAMP214): pyproject.toml
 	test -x $(VENV214)/bin/python || $(PY) -m venv $(VENV214)

@@ -30,6 +30,10 @@ def _worker(rank, world, port, cases, queue):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if os.environ.get("RAGGED_FSDP_CHECK_ORDER") == "1":
+        from _checking_device import install
+
+        install()
     dist.init_process_group(
         "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S)
     )

@@ -190,18 +190,22 @@ def case_explicit_prefetch(rank, world):
 def case_implicit_prefetch(rank, world):
     """From the second step on, a block's forward starts the next block's all-gather, and a
     block's backward starts the previous block's."""
+    from ragged_fsdp.fsdp import trace
+
     model = _wrapped(cpu_mesh(world), LlamaConfig.tiny(n_layers=3))
     seen = {}
 
-    def gathering(i):
-        g = model.layers[i]._fsdp_state().group
-        return g._gathering is not None or g.is_unsharded
+    def gathered(tr, i, backward):
+        return any(e.group == f"layers.{i}" and e.backward == backward for e in tr.of("all_gather"))
 
-    model.layers[0].register_forward_hook(lambda *a: seen.__setitem__("fwd", gathering(1)))
-    model.layers[2].register_full_backward_hook(lambda *a: seen.__setitem__("bwd", gathering(1)))
     for step in range(2):
         seen.clear()
-        _step(model, rank, world, step)
+        with trace() as tr:
+            h0 = model.layers[0].register_forward_hook(lambda *a: seen.__setitem__("fwd", gathered(tr, 1, False)))
+            h2 = model.layers[2].register_full_backward_hook(lambda *a: seen.__setitem__("bwd", gathered(tr, 1, True)))
+            _step(model, rank, world, step)
+            h0.remove()
+            h2.remove()
     assert seen == {"fwd": True, "bwd": True}, seen
 
 

@@ -76,3 +76,35 @@ def test_cuda_training_matches_single_device(nccl, mixed):
     for name, p in model.named_parameters():
         atol = 5e-2 if mixed else 5e-4
         torch.testing.assert_close(p.full_tensor(), named[name].detach(), rtol=0, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
+def test_backward_has_no_device_sync(nccl, mixed):
+    """Backward (with its final callback: the 'got a gradient' flags, handing out the sharded
+    grads) issues no device-to-host copy: the host queues the optimizer's kernels while the
+    GPU still runs backward. ``set_sync_debug_mode("error")`` raises on any synchronizing
+    call (``.item()``, ``.tolist()``, ``.cpu()`` of a CUDA tensor, a blocking copy)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp.fsdp import fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny())
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    tokens = torch.randint(0, 96, (2, 17)).cuda()
+    for step in range(2):  # the second step runs with prefetching from the first's order
+        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert all(p.grad is not None for p in model.parameters()), step
+        model.zero_grad()

@@ -18,32 +18,13 @@ from torch.utils.checkpoint import checkpoint
 from _dist import check_case, cpu_mesh, run_cases
 from _patterns import _ce, _tiny, _wrap_blocks, compare_steps
 
-import ragged_fsdp.fsdp.param_group as pg
-from ragged_fsdp.fsdp.hooks import in_backward
+from ragged_fsdp.fsdp import trace
 from ragged_fsdp.models.llama import Llama
 
 
-class _GatherLog:
-    """Records (buffer, in backward) for every all-gather the engine issues."""
-
-    def __init__(self):
-        self.calls = []
-        self._orig = pg.all_gather
-
-    def __enter__(self):
-        def counted(dev, comm, buf, **kw):
-            self.calls.append((buf, in_backward()))
-            return self._orig(dev, comm, buf, **kw)
-
-        pg.all_gather = counted
-        return self
-
-    def __exit__(self, *exc):
-        pg.all_gather = self._orig
-
-
-def _root_group(model):
-    return model._fsdp_state().group
+def _buffer_index(model, fqn):
+    """Which of ``model``'s DBuffers holds parameter ``fqn``."""
+    return next(i for i, b in enumerate(model.dbuffers) if any(s.key == fqn for s in b.slots))
 
 
 def _step(m, t, y, distributed):
@@ -51,28 +32,26 @@ def _step(m, t, y, distributed):
 
 
 def case_embedding_not_regathered(rank, world):
-    with _GatherLog() as log:
+    with trace() as log:
         model = compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, _step)
-    g = _root_group(model)
-    (emb,) = g._embedding_buffers
-    emb_buf = g.buffers[emb]
-    assert len(g.buffers) == 2, "the root keeps norm/head and the embedding in separate buffers"
-    assert not [b for b, bwd in log.calls if bwd and b is emb_buf], "embedding gathered in backward"
-    assert [b for b, bwd in log.calls if not bwd and b is emb_buf], "embedding never gathered"
+    emb = _buffer_index(model, "tok_embeddings.weight")
+    name = log.buffer_of("tok_embeddings.weight")
+    assert name == f"<root>#{emb}"
+    assert len(model.dbuffers) == 2, "the root keeps norm/head and the embedding in separate buffers"
+    gathers = log.of("all_gather", buffer=name)
+    assert not [e for e in gathers if e.backward], "embedding gathered in backward"
+    assert [e for e in gathers if not e.backward] or world == 1, "embedding never gathered"
     # after forward the root keeps its head, but not its embedding
     t = torch.randint(0, 96, (2, 8))
     loss = model.loss(t, t)
-    assert not emb_buf.unsharded_allocated or world == 1
-    assert all(b.unsharded_allocated for i, b in enumerate(g.buffers) if i != emb)
+    assert not model.dbuffers[emb].unsharded_allocated or world == 1
+    assert all(b.unsharded_allocated for i, b in enumerate(model.dbuffers) if i != emb)
     loss.backward()
 
 
 def case_tied_embedding_always_gathered(rank, world):
-    with _GatherLog() as log:
-        model = compare_steps(rank, world, lambda: Llama(_tiny(tie_embeddings=True)), _wrap_blocks, _step)
-    g = _root_group(model)
-    assert not g._embedding_buffers
-    assert len(g.buffers) == 1
+    model = compare_steps(rank, world, lambda: Llama(_tiny(tie_embeddings=True)), _wrap_blocks, _step)
+    assert len(model.dbuffers) == 1, "a tied embedding shares the head's buffer"
 
 
 class _CheckpointedEmbedding(Llama):
@@ -115,11 +94,10 @@ def case_unshard_in_backward_forced(rank, world):
         return m
 
     model = compare_steps(rank, world, lambda: Llama(_tiny()), wrap, _step, steps=2)
-    g = _root_group(model)
-    (emb,) = g._embedding_buffers
+    emb = _buffer_index(model, "tok_embeddings.weight")
     t = torch.randint(0, 96, (2, 8))
     loss = model.loss(t, t)
-    assert g.buffers[emb].unsharded_allocated, "kept for backward as asked"
+    assert model.dbuffers[emb].unsharded_allocated, "kept for backward as asked"
     loss.backward()
 
 
@@ -130,24 +108,29 @@ def case_grad_buffer_from_first_gradient(rank, world):
     torch.manual_seed(0)
     model = _wrap_blocks(Llama(_tiny()), mesh)
     t = torch.randint(0, 96, (2, 8))
+    last = f"layers.{len(model.layers) - 1}"
     for _ in range(2):  # the second step has a forward order to prefetch from
         seen = {}
-        logits = model(t)
+        with trace() as tr:
+            logits = model(t)
 
-        def probe(grad):
-            g = _root_group(model)
-            last = model.layers[-1]._fsdp_state().group
-            seen["root grads"] = [b.grad is not None for b in g.buffers]
-            seen["last block gathering"] = last._gathering is not None or last.is_unsharded
-            seen["deferred"] = g.bwd.deferred_prefetch is last
-            return grad
+            def probe(grad):
+                seen["root grads"] = [b.grad is not None for b in model.dbuffers]
+                seen["last block gathering"] = [e for e in tr.of("all_gather") if e.backward and e.group == last]
+                return grad
 
-        logits.register_hook(probe)
-        _ce(logits, t).backward()
+            logits.register_hook(probe)
+            _ce(logits, t).backward()
         model.zero_grad()
     assert seen["root grads"] == [False, False], seen
     assert not seen["last block gathering"], seen
-    assert seen["deferred"], seen
+    # deferred, not dropped: the root's first gradient (the head's) issues the last block's
+    # gather, before the head's own (early) reduction and so before that block's pre-backward
+    ev = [e for e in tr if e.backward]
+    head = tr.buffer_of("output.weight")
+    first_gather = next(k for k, e in enumerate(ev) if e.kind == "all_gather" and e.group == last)
+    head_reduced = next(k for k, e in enumerate(ev) if e.kind == "reduce_scatter" and e.buffer == head)
+    assert first_gather < head_reduced, tr.table()
 
 
 def case_gloo_reduction_chunked_same_bits(rank, world):

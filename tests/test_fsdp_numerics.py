@@ -48,16 +48,20 @@ def case_reshard_variants(rank, world):
     for r in variants:
         model, _ = compare_training(rank, world, lambda: Llama(LlamaConfig.tiny(n_layers=3)), _wrap(reshard=r), steps=3)
         if r == 2:  # after forward each rank keeps half of a block's buffer; backward gathers in pairs
-            from ragged_fsdp.fsdp.param_group import ShardedState
+            from ragged_fsdp.fsdp import trace
 
             tokens = torch.randint(0, 96, (1, 8))
-            loss = model.loss(tokens, tokens)
-            g = model.layers[0]._fsdp_state().group
-            assert g.sharded_state is ShardedState.SHARDED_POST_FORWARD
-            assert g._kept[0].numel() == g.buffers[0].layout.total // 2
-            assert g.post_forward_comms[0].world_size == 2
-            loss.backward()
-            assert g.sharded_state is ShardedState.SHARDED and not g._kept
+            buf = model.layers[0].dbuffers[0]
+            full = buf.layout.total * buf.compute_dtype.itemsize
+            with trace() as fwd:
+                loss = model.loss(tokens, tokens)
+            assert [e.bytes for e in fwd.of("keep", buffer="layers.0#0")] == [full // 2], fwd.table()
+            assert not buf.unsharded_allocated
+            with trace() as bwd:
+                loss.backward()
+            gathers = bwd.of("all_gather", buffer="layers.0#0")
+            assert len(gathers) == 1 and gathers[0].backward, bwd.table()
+            assert bwd.of("free", buffer="layers.0#0") and not buf.unsharded_allocated, bwd.table()
 
 
 def case_list_group_tied(rank, world):

@@ -24,43 +24,32 @@ from ragged_fsdp.models.llama import Llama
 
 
 # -- the root's norm + head buffer, reduced and freed as soon as their backward ran ---------
-def _record_reductions(model):
-    """(group, buffer, early, head storage still allocated) per reduction, in issue order."""
-    from ragged_fsdp.fsdp.init import state_of
-
-    log = []
-    root = state_of(model).group
-    head_buf = root.infos[[i.fqn for i in root.infos].index("output.weight")].buffer
-    for st in state_of(model).ctx.all_states:
-        g = st.group
-        orig = g._reduce
-
-        def rec(b, grad, touched, early=False, _g=g, _o=orig):
-            log.append((_g.fqn or "root", b, early, root.buffers[head_buf].unsharded_allocated))
-            return _o(b, grad, touched, early)
-
-        g._reduce = rec
-    return log, head_buf
-
-
 def case_root_head_reduced_early(rank, world):
-    rec = []
+    from ragged_fsdp.fsdp import trace
+
+    steps = []
 
     def step(m, t, y, distributed):
-        logits = m(t)
-        if distributed and not rec:  # after the first forward: the root knows its groups
-            rec.append(_record_reductions(m))
-        _ce(logits, y).backward()
+        if not distributed:
+            return _ce(m(t), y).backward()
+        with trace() as tr:
+            logits = m(t)
+            _ce(logits, y).backward()
+        steps.append(tr)
 
     compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step)
-    log, head_buf = rec[0]
-    first = log[0]
-    # the first reduction of a step is the root's norm+head buffer, issued before any block's,
-    # with its unsharded parameters already freed; the embedding's comes last
-    assert first[:3] == ("root", head_buf, True), log[:4]
-    assert not first[3], "the head's unsharded parameters were still allocated at its early reduction"
-    assert log[-1][0] == "root" and log[-1][1] != head_buf and not log[-1][2], log[-4:]
-    assert sum(1 for r in log if r[0] == "root" and r[1] == head_buf) == 3, "one head reduction per step"
+    head = steps[0].buffer_of("output.weight")
+    for tr in steps:
+        ev = [e for e in tr if e.backward]
+        reds = [e for e in ev if e.kind == "reduce_scatter"]
+        # the first reduction of a step is the root's norm+head buffer, issued before any
+        # block's, with its unsharded parameters freed right before; the embedding's comes last
+        assert (reds[0].buffer, reds[0].early) == (head, True), tr.table()
+        k = ev.index(reds[0])
+        assert ev[k - 1].kind == "free" and ev[k - 1].buffer == head, tr.table()
+        assert reds[-1].group == "<root>" and reds[-1].buffer != head and not reds[-1].early, tr.table()
+        assert sum(1 for e in reds if e.buffer == head) == 1, "one head reduction per step"
+    assert len(steps) == 3
 
 
 class _CheckpointedHead(Llama):
@@ -85,17 +74,19 @@ def case_checkpointed_head_early_reduction(rank, world):
 def case_early_reduction_mismatch_is_an_error(rank, world):
     """If ranks disagree on which reductions ran early (an owner module run on some ranks
     only), the end-of-backward flag all-reduce sees it and every rank raises. Simulated:
-    rank 0 labels the embedding's end-of-backward reduction as early."""
+    rank 0 labels the root's end-of-backward reductions as early."""
     from ragged_fsdp.fsdp.init import state_of
 
     torch.manual_seed(0)
     model = _wrap_blocks(Llama(_tiny()), cpu_mesh(world))
     t = torch.randint(0, model.cfg.vocab_size, (2, 8))
     logits = model(t)
-    root = state_of(model).group
+    st = state_of(model)
     if rank == 0:
-        orig = root._reduce
-        root._reduce = lambda b, grad, touched, early=False: orig(b, grad, touched, True)
+        reductions, root_units = st.ctx.reductions, set(map(id, st.group.units))
+        orig = reductions.reduce
+        reductions.reduce = lambda dev, u, grad, touched, settings, early=False: orig(
+            dev, u, grad, touched, settings, early or id(u) in root_units)
     with pytest.raises(RuntimeError, match="ran early on some ranks"):
         _ce(logits, t).backward()
 

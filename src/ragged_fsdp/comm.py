@@ -12,10 +12,13 @@ asynchronous, chunked) and by the placement (``reduce_scatter_runs`` below, unev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ragged_fsdp.shapes import contiguous_stride  # noqa: F401 - re-exported (older imports)
 
 __all__ = [
     "Comm", "backend_of", "all_gather_single", "reduce_scatter_single", "contiguous_stride",
@@ -46,18 +49,24 @@ class Comm:
     def of(cls, group: dist.ProcessGroup) -> "Comm":
         return cls(group, dist.get_world_size(group), dist.get_rank(group), backend_of(group))
 
+    _host: Any = field(default=None, repr=False, compare=False)
+
     @property
     def gloo(self) -> bool:
         return "gloo" in self.backend and "nccl" not in self.backend
 
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (zero-size dims count as 1, as torch does)."""
-    stride, acc = [], 1
-    for s in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(stride))
+    @property
+    def host_group(self) -> dist.ProcessGroup:
+        """A gloo group over the same ranks, for flags only the host knows: a CPU tensor
+        all-reduced there needs no device-to-host copy. Made on first use, by the group's
+        ranks only (``use_local_synchronization``), so every rank of the group must reach
+        its first use at the same collective point; on gloo it is the group itself."""
+        if self.gloo:
+            return self.group
+        if self._host is None:
+            ranks = dist.get_process_group_ranks(self.group)
+            self._host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        return self._host
 
 
 def all_to_all_flat(flat: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:

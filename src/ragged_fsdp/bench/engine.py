@@ -329,7 +329,7 @@ def hsdp_segment_bytes(model: torch.nn.Module) -> int:
             continue
         seen.add(id(g))
         for b, buf in enumerate(g.buffers):
-            rep = g.buffer_dp[b].replicate
+            rep = g.units[b].dp.replicate
             if rep is None or rep.world_size == 1:
                 continue
             if any(i.buffer == b and i.sharded.requires_grad for i in g.infos):

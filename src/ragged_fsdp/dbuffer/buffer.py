@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ragged_fsdp.comm import contiguous_stride
+from ragged_fsdp.shapes import contiguous_stride
 
 from .layout import BufferLayout, TensorSlot
 

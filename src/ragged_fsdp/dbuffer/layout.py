@@ -3,7 +3,7 @@
 The planner places tensors in a flat buffer of ``W * S`` elements so that rank ``r`` owns the
 segment ``[r*S, (r+1)*S)``. A :class:`BufferLayout` turns such a plan into the numbers the
 DBuffer needs: for each tensor its offset in the full buffer (the unsharded views) and the
-run of this rank's segment it occupies (the sharded views), plus the ``RaggedShard`` that
+run of this rank's segment it occupies (the sharded views), plus the ``RaggedUnits`` that
 describes that run. It is pure: no process group, no tensor data.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from ragged_fsdp.placement import RaggedShard
+from ragged_fsdp.ragged_units import RaggedUnits
 
 __all__ = ["Plan", "TensorSlot", "BufferLayout"]
 
@@ -25,7 +25,7 @@ class Plan(Protocol):
     segment: int
     offsets: dict[str, int]
 
-    def placement(self, name: str) -> RaggedShard: ...
+    def placement(self, name: str) -> RaggedUnits: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class TensorSlot:
     key: str
     shape: tuple[int, ...]
     offset: int
-    placement: RaggedShard
+    placement: RaggedUnits
     local_offset: int
     local_numel: int
     local_shape: tuple[int, ...]

@@ -1,4 +1,5 @@
 """The training engine: a drop-in ``fully_shard`` built on DBuffers."""
 from .api import FSDPModule, UnshardHandle, fully_shard
+from .tracing import Event, Trace, trace
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "trace", "Trace", "Event"]

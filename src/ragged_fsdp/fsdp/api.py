@@ -121,11 +121,9 @@ def fully_shard(
         group = ParamGroup(
             params, modules, placed, where, device_for(device), mp_policy,
             granularity_fn, raf, all_gather_quant=all_gather_quant,
+            post_forward_comm=None if isinstance(raf, bool) else node_comm(mesh, raf),
         )
         state.group = group
-        if not isinstance(raf, bool):
-            for b in range(len(group.buffers)):
-                group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
             mark_managed(p)
         for info in group.infos:

@@ -25,7 +25,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from .device import Device, Pending
 
-__all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce_sum", "backend_of"]
+__all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 
 from ragged_fsdp.comm import Comm, backend_of  # noqa: F401 - re-exported for the engine
 from ragged_fsdp.comm import all_gather_single as _all_gather_single
@@ -67,7 +67,7 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
     def restore_version():
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp))
+    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp), out=(out,))
 
 
 # On gloo a reduction receives the W-1 other pieces of this rank's segment at once: (W-1)/W
@@ -144,11 +144,12 @@ def reduce_scatter(
                 target.mul_(scale)
 
     if W == 1:
-        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target))
+        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target),
+                             out=(target,))
 
     if comm.gloo and (W - 1) * S * grad.element_size() > GLOO_RECEIVE_BOUND_BYTES:
         return device.launch(lane, lambda async_op: _gloo_reduce_chunked(comm, grad, target, accumulate, factor),
-                             keep=(grad, target))
+                             keep=(grad, target), out=(target,))
 
     if comm.gloo:
         # Two all-to-alls move exactly the pieces other ranks own: each rank sends the
@@ -179,7 +180,7 @@ def reduce_scatter(
             else:
                 _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
 
-        return device.launch(lane, issue, post=post, keep=(grad, received, target))
+        return device.launch(lane, issue, post=post, keep=(grad, received, target), out=(received, target))
 
     op = dist.ReduceOp.AVG if divide_factor is None else dist.ReduceOp.SUM
     direct = not accumulate and grad.dtype == target.dtype and divide_factor is None
@@ -189,10 +190,19 @@ def reduce_scatter(
         return _reduce_scatter_single(staging, grad, op=op, group=comm.group, async_op=async_op)
 
     post: Callable[[], None] | None = None if direct else (lambda: finish(staging, divide_factor is None))
-    return device.launch(lane, issue, post=post, keep=(grad, staging, target))
+    return device.launch(lane, issue, post=post, keep=(grad, staging, target), out=(staging, target))
 
 
-def all_reduce_sum(comm: Comm, t: torch.Tensor) -> None:
-    """In-place sum over ``comm`` (HSDP's replicate dim), synchronous in the current stream."""
-    if comm.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=comm.group)
+def all_reduce(device: Device, comm: Comm, t: torch.Tensor, *, pre: Callable[[], None] | None = None,
+               post: Callable[[], None] | None = None, after: Pending | None = None, keep=(), out=(),
+               lane: str = "all_reduce") -> Pending:
+    """In-place sum of ``t`` over ``comm`` (HSDP's replicate dim) on its own lane, after
+    ``after`` (the shard-dim reduce-scatter that writes ``t``); ``pre`` runs before it and
+    ``post`` after it, both in the lane's order."""
+
+    def issue(async_op: bool):
+        if comm.world_size == 1:
+            return None
+        return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=comm.group, async_op=async_op)
+
+    return device.launch(lane, issue, post=post, keep=(t, *keep), after=after, pre=pre, out=(t, *out))

@@ -7,10 +7,16 @@ The engine never touches streams or work handles directly. It calls
   handle or None;
 * ``post()`` (optional) is the local work that must follow the collective (summing the
   pieces of an all-to-all, casting, scaling);
-* ``keep`` are tensors the collective reads or writes, held until the wait.
+* ``keep`` are tensors the collective reads or writes, held until the wait;
+* ``out`` (a subset of ``keep``) are the tensors it writes: nothing may read them before
+  the wait (the test-only ordering-checking device fills them with NaN until then).
 
 and gets a :class:`Pending` whose ``wait()`` makes the results usable by the compute that
 follows.
+
+``after`` (optional) is a launched collective this one must follow (HSDP's replicate
+all-reduce after the shard-dim reduce-scatter); ``pre()`` (optional) is local work that
+must run right before the collective, in the lane's order.
 
 CPU (gloo): the collective runs on the process group's own threads (``async_op=True``); the
 wait blocks on the work handle and then runs ``post`` on the calling thread.
@@ -100,7 +106,12 @@ class Device:
         self.device = device
 
     def launch(self, lane: str, comm: Comm, post: Callable[[], None] | None = None,
-               keep: Sequence[torch.Tensor] = ()) -> Pending:
+               keep: Sequence[torch.Tensor] = (), after: Pending | None = None,
+               pre: Callable[[], None] | None = None, out: Sequence[torch.Tensor] = ()) -> Pending:
+        if after is not None:  # gloo: the host is the only order there is
+            after.wait()
+        if pre is not None:
+            pre()
         work = comm(True)
         return Pending(work=work, post=post, keep=keep)
 
@@ -123,10 +134,15 @@ class CudaDevice(Device):
         return s
 
     def launch(self, lane: str, comm: Comm, post: Callable[[], None] | None = None,
-               keep: Sequence[torch.Tensor] = ()) -> Pending:
+               keep: Sequence[torch.Tensor] = (), after: Pending | None = None,
+               pre: Callable[[], None] | None = None, out: Sequence[torch.Tensor] = ()) -> Pending:
         stream = self.stream(lane)
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None and after._event is not None:
+            stream.wait_event(after._event)  # the earlier collective's lane, not the host
         with torch.cuda.stream(stream):
+            if pre is not None:
+                pre()
             comm(False)  # NCCL orders itself after `stream` and `stream` after NCCL
             if post is not None:
                 post()

@@ -15,12 +15,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["PostBackward", "in_backward", "grad_tensors", "attach_post_backward"]
+__all__ = ["PostBackward", "in_backward", "grad_tensors", "attach_post_backward", "eager"]
 
 
 def in_backward() -> bool:
     """True while the autograd engine runs (activation-checkpoint recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def eager(fn):
+    """``fn`` never traced by torch.compile (a graph break where it is called)."""
+    disable = getattr(getattr(torch, "_dynamo", None), "disable", None)
+    return disable(fn, recursive=True) if disable is not None else fn
 
 
 def grad_tensors(obj: Any) -> list[torch.Tensor]:

@@ -109,4 +109,5 @@ def quant_all_gather(device: Device, comm: Comm, buf: DBuffer) -> Pending:
                 at += k
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    return device.launch("all_gather", issue, post=post, keep=(out, codes, scales, buf.sharded))
+    return device.launch("all_gather", issue, post=post, keep=(out, codes, scales, buf.sharded),
+                         out=(out, codes, scales))

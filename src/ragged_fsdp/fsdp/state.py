@@ -27,9 +27,11 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from .common import TrainingState
+from .hooks import eager as _eager
 from .hooks import grad_tensors, in_backward
-from .param_group import ParamGroup, TrainingState, hand_out_grads
-from .saved import eager as _eager
+from .param_group import ParamGroup
+from .reduction import Reductions
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -44,12 +46,25 @@ class RootContext:
         self.last_forward_order: list[ParamGroup] = []  # ... and in the previous step
         self._last_index: dict[int, int] = {}
         self.post_forward_order: list[ParamGroup] = []  # with repeats, for backward prefetch
-        self.in_flight: list = []  # _Reduction objects not yet waited for
+        self.reductions = Reductions()  # every gradient reduction under this root
         self.callback_queued = False
 
-    def retire_reductions(self, keep: int) -> None:
-        while len(self.in_flight) > keep:
-            self.in_flight.pop(0).pending.wait()
+    def reset(self, states: list["FSDPState"], aborted: bool) -> None:
+        """Back to the start of a step: after every backward (the final callback) and, with
+        ``aborted``, after an exception stopped forward or backward (``reset_iter_state``:
+        also the forward's trackers, whose forward may not have ended)."""
+        for st in states:
+            st.training_state = TrainingState.IDLE
+            if aborted:
+                st._to_run = set()
+            if st.group is not None:
+                st.group.finish_backward()
+        if aborted:
+            self.iter_forward_root = None
+            self.forward_order = []
+        self.post_forward_order.clear()
+        self.callback_queued = False
+        self.reductions.forget()
 
     def next_in_forward(self, group: ParamGroup) -> ParamGroup | None:
         i = self._last_index.get(id(group))
@@ -225,15 +240,9 @@ class FSDPState:
             for st in reversed(states):
                 if st.group is not None:
                     st.group.end_backward()
-            ctx.retire_reductions(keep=0)
-            hand_out_grads([st.group for st in states if st.group is not None])
+            ctx.reductions.hand_out([st.group for st in states if st.group is not None])
         finally:
-            for st in states:
-                st.training_state = TrainingState.IDLE
-                if st.group is not None:
-                    st.group.finish_backward()
-            ctx.post_forward_order.clear()
-            ctx.callback_queued = False
+            ctx.reset(states, aborted=False)
 
     # -- mixed precision -------------------------------------------------------------------
     def _cast_inputs(self, args, kwargs):

@@ -60,23 +60,12 @@ class TorchFSDPBase(_TorchFSDPModule):
         this root (the failed step's gradients are lost, as in torch)."""
         st = self._fsdp_state()
         ctx = st.ctx
-        ctx.retire_reductions(keep=0)
-        from .param_group import TrainingState
-
-        for s in ctx.all_states or [st]:
-            s.training_state = TrainingState.IDLE
-            s._to_run = set()
-            g = s.group
-            if g is not None:
-                g.reshard()
-                # the engine's end-of-backward bookkeeping (named per engine version)
-                done = getattr(g, "finish_backward", None) or getattr(g, "finish_iteration", None)
-                if done is not None:
-                    done()
-        ctx.iter_forward_root = None
-        ctx.forward_order = []
-        ctx.post_forward_order.clear()
-        ctx.callback_queued = False
+        ctx.reductions.clear()
+        states = ctx.all_states or [st]
+        for s in states:
+            if s.group is not None:
+                s.group.reshard()
+        ctx.reset(states, aborted=True)
 
     def _get_fsdp_state(self):
         """ragged_fsdp's FSDPState (torch's ``register_fsdp_forward_method`` calls its

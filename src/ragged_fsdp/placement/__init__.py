@@ -3,6 +3,7 @@ import torch.optim.optimizer as _optim
 import torch.serialization as _serialization
 import torch.utils._foreach_utils as _foreach_utils
 
+from . import binding  # noqa: F401 - completes RaggedDTensor (dispatch, redistribute, DCP hooks)
 from .api import distribute_tensor, from_local
 from .dtensor import RaggedDTensor, rebuild_ragged
 from .ragged_shard import RaggedShard, even_units, same_layout

@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from .spec import outer_offsets, outer_shape, ragged_dim
+
 __all__ = ["local_box_views", "create_write_items", "create_chunk_list", "get_tensor_shard"]
 
 
@@ -35,8 +37,6 @@ def local_box_boxes(dt) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The (offsets, sizes) boxes of the global tensor that this rank's run covers: boxes of
     the outer-local tensor (the TP/EP-local one, or the global one), shifted by where that
     tensor sits in the global tensor. HSDP replicas declare the same boxes (DCP keeps one)."""
-    from .dtensor import outer_offsets, outer_shape, ragged_dim
-
     spec = dt._spec
     d = ragged_dim(spec.placements)
     rank = dt.device_mesh.get_local_rank(d)

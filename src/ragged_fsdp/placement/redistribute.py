@@ -20,7 +20,8 @@ from .dtensor import (
     RaggedDTensor, element_ranges, expected_local_shape, has_outer_shards, local_range, make_spec,
     outer_placements, outer_shape, ragged_dim, wrap,
 )
-from ragged_fsdp.comm import all_gather_runs, all_to_all_flat, contiguous_stride, reduce_scatter_runs
+from ragged_fsdp.comm import all_gather_runs, all_to_all_flat, reduce_scatter_runs
+from ragged_fsdp.shapes import contiguous_stride
 
 from .ragged_shard import RaggedShard
 

@@ -2,14 +2,14 @@
 
 Rank ``k`` owns elements ``[k*S, (k+1)*S)`` of a buffer of ``W*S`` elements; tensor ``t`` is
 the contiguous run ``[offsets[t], offsets[t] + numel)``. Each rank's share of a tensor is a
-contiguous run of whole blocks, i.e. a :class:`RaggedShard`.
+contiguous run of whole blocks, i.e. a :class:`RaggedUnits`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..placement.ragged_shard import RaggedShard
+from ..ragged_units import RaggedUnits
 from .granularity import TensorSpec
 from .problem import align_elems
 
@@ -80,12 +80,12 @@ class Plan:
         seg = rank * self.segment
         return (seg + a - lo, seg + b - lo)
 
-    def placement(self, name: str) -> RaggedShard:
-        """The RaggedShard describing ``name``'s shards: ``local_units[k]`` is the number of
+    def placement(self, name: str) -> RaggedUnits:
+        """The RaggedUnits describing ``name``'s shards: ``local_units[k]`` is the number of
         blocks (a partial last one counts) inside segment ``k``."""
         spec = self.specs[name]
         dims, unit = spec.placement_dims_unit()
-        probe = RaggedShard(dims, (0,), unit)
+        probe = RaggedUnits(dims, (0,), unit)
         units_total = probe.num_units(spec.shape)
         inner = probe.inner(spec.shape)
         W, S = self.world_size, self.segment
@@ -100,7 +100,7 @@ class Plan:
                     a = max(lo, k * S) - lo
                     b = min(lo + e, (k + 1) * S) - lo
                     counts[k] = -(-b // g) - a // g
-        return RaggedShard(dims, counts, unit)
+        return RaggedUnits(dims, counts, unit)
 
     # -- convenience -------------------------------------------------------------------
     def renamed(self, mapping: dict[str, str], specs: dict[str, TensorSpec] | None = None) -> "Plan":

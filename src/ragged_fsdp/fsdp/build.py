@@ -1,0 +1,114 @@
+"""Building a group's units: one DBuffer per kind of parameter, planned identically on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ragged_fsdp.dbuffer import DBuffer, plan_layout
+from ragged_fsdp.dbuffer.planning import parse_granularity
+from ragged_fsdp.placement import RaggedShard
+
+from .consistency import check_same_layout
+from .mesh_info import ParamPlacement
+from .quant_gather import attach_quant, fp8_granularity
+from .sharded_param import make_sharded_param
+from .unit import ParamInfo, Unit
+
+__all__ = ["build_units"]
+
+
+def _embedding_only(owners) -> bool:
+    """A parameter only one nn.Embedding registers, as its weight (not tied to a head)."""
+    return len(owners) == 1 and isinstance(owners[0][0], nn.Embedding) and owners[0][1] == "weight"
+
+
+def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> None:
+    """Lay out ``params`` in the units of ``group`` (a ParamGroup) and register their sharded
+    parameters on the modules."""
+    # One unit per (mesh, dtype, trainable, fp8-gathered, embedding) kind. Embedding
+    # weights get their own: their gradients arrive at the very end of backward (the
+    # others' near the start), and their backward needs only the indices, so that buffer
+    # is neither kept unsharded nor re-gathered for backward (see backward.py).
+    # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
+    # experts over the dp ranks of their EP group: those get their own units.)
+    kinds: dict[tuple[int, torch.dtype, bool, bool, bool], list[int]] = {}
+    quant = group.all_gather_quant
+    dp_index = {id(d): k for k, d in enumerate(group.dps)}
+    for i, (name, p, owners) in enumerate(params):
+        fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
+        key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
+        kinds.setdefault(key, []).append(i)
+    layouts: list = [None] * len(kinds)
+    for k, dp in enumerate(group.dps):
+        mine = [(j, key, idx) for j, (key, idx) in enumerate(kinds.items()) if key[0] == k]
+        error = None
+        try:
+            for j, (_, dtype, _, fp8, _), idx in mine:
+                layouts[j] = _plan(group, params, placed, idx, dtype, granularity_fn, dp.shard.world_size,
+                                  dp.shard.rank, fp8)
+        except (ValueError, NotImplementedError, TypeError) as e:
+            error = e
+        # Every rank must have planned the same layout, or the all-gathers silently mix
+        # different tensors (or hang when the sizes differ): one small all-reduce to check.
+        check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
+                          [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe())
+    for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
+        compute, reduce_ = _mp_dtypes(group, dtype)
+        buf = DBuffer(layout, device=group.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
+        if fp8:
+            attach_quant(buf, quant)
+        unit = Unit(len(group.units), buf, group.dps[dpk], embedding=embedding, group_name=group.name,
+                    after_grad=group._after_grad)
+        group.units.append(unit)
+        if embedding:
+            for i in idx:
+                for module, _ in params[i][2]:
+                    group.needs.hook_embedding(module)
+        for j, i in enumerate(idx):
+            name, p, owners = params[i]
+            pl = placed[i]
+            data = pl.data.detach()
+            buf.copy_full_(j, data.to(group.device) if data.device.type not in ("meta", group.device.type) else data)
+            s = buf.slots[j]
+            sharded = make_sharded_param(buf.sharded_view(j), pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
+                                         tuple(p.shape), p.requires_grad)
+            info = ParamInfo(name, unit.index, j, owners, sharded, unsharded_spec=pl.unsharded_spec,
+                             dp_dims=pl.dp_dims)
+            info.register(sharded)
+            unit.infos.append(info)
+            group.infos.append(info)
+
+
+def _plan(group, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
+    """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
+    parallel split applies to (TP/EP-local for DTensor parameters); ``granularity_fn``
+    is asked about the parameter and applies to that local tensor."""
+    tensors, keys = [], set()
+    for j, i in enumerate(idx):
+        name, p, _ = params[i]
+        shape = tuple(placed[i].data.shape)
+        spec = None
+        if granularity_fn is not None:
+            raw = granularity_fn(name, p)
+            try:
+                spec = parse_granularity(raw)
+            except ValueError as e:
+                raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
+        if fp8:
+            spec = fp8_granularity(group.all_gather_quant, name, shape, spec)
+        key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
+        keys.add(key)
+        tensors.append((key, shape, spec))
+    try:
+        return plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
+    except (ValueError, NotImplementedError) as e:
+        raise ValueError(f"fully_shard: cannot lay out the parameters of {group._describe()}: {e}") from e
+
+
+def _mp_dtypes(group, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    if not dtype.is_floating_point:
+        return dtype, dtype
+    compute = group.mp_policy.param_dtype or dtype
+    reduce_ = group.mp_policy.reduce_dtype or compute
+    return compute, reduce_

@@ -1,0 +1,258 @@
+"""The one owner of gradient reductions: issue, keep in flight, finish, hand out.
+
+Per root there is one :class:`Reductions` (in the root's context). A group asks it to
+reduce a unit's gradient buffer (:meth:`Reductions.reduce`); it decides how:
+
+* FSDP: one reduce-scatter over the shard dim into a new sharded gradient segment, or, when
+  the sharded grads already hold gradients (accumulation without ``zero_grad``), added into
+  the segment they live in;
+* HSDP: the reduce-scatter over the shard dim, then one all-reduce over the replicate dim
+  on its own lane of the device seam (launched as soon as the reduce-scatter completes,
+  waited for at the end of backward or when the unit is next reduced), then the divide;
+  with ``set_requires_all_reduce(False)`` the shard-dim sums pile up in the unit instead;
+* a unit reduced early (see :mod:`.backward`) whose late gradients arrive: they are reduced
+  again and added into the early reduction's segment.
+
+Every reduction is a typed state in the queue (:class:`Reduction`, :class:`PartialSum`);
+``in_flight`` is the order the shard-dim collectives were issued in, ``issued`` what this
+backward hands out at its end. :meth:`Reductions.hand_out` combines, per data-parallel mesh,
+the flags only the host knows (which slots got a gradient on any rank, which reductions ran
+early) in one all-reduce of a CPU tensor over a gloo group beside the device's process group
+(``Comm.host_group``): no device-to-host copy in backward.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import tracing as trace
+from .collectives import all_reduce, reduce_scatter
+from .device import Device, Pending
+from .mesh_info import DPMesh
+from .unit import Unit
+
+__all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
+
+
+class Phase(enum.Enum):
+    SCATTERING = "scattering"  # the shard-dim reduce-scatter is in flight
+    ALL_REDUCING = "all_reducing"  # HSDP: the replicate-dim all-reduce is in flight
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class Reduction:
+    """One gradient reduction of one unit, handed out at the end of backward."""
+
+    unit: Unit
+    scatter: Pending  # the shard-dim reduce-scatter
+    target: torch.Tensor  # the sharded gradient segment being written
+    touched: list[bool]  # per slot: got a gradient on this rank
+    had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
+    dp: DPMesh  # the ranks it reduced over (its flags are combined over them)
+    early: bool = False  # issued before the group's post-backward
+    replicate: Pending | None = None  # HSDP: the replicate-dim all-reduce, launched after `scatter`
+    phase: Phase = Phase.SCATTERING
+
+    def finish_scatter(self) -> None:
+        if self.phase is Phase.SCATTERING:
+            self.scatter.wait()
+            self.phase = Phase.ALL_REDUCING if self.replicate is not None else Phase.DONE
+
+    def wait(self) -> None:
+        self.finish_scatter()
+        if self.phase is Phase.ALL_REDUCING:
+            self.replicate.wait()
+            self.phase = Phase.DONE
+
+
+@dataclass(eq=False)
+class PartialSum:
+    """HSDP without the replicate all-reduce: a shard-dim sum that the unit keeps."""
+
+    unit: Unit
+    scatter: Pending
+    then: Callable[[], None]  # stores the sum (plus the earlier ones) in the unit
+    phase: Phase = Phase.SCATTERING
+
+    def finish_scatter(self) -> None:
+        if self.phase is Phase.SCATTERING:
+            self.scatter.wait()
+            self.then()
+            self.phase = Phase.DONE
+
+    wait = finish_scatter
+
+
+@dataclass
+class Settings:
+    """What a group's reductions depend on (the group's public setters change them)."""
+
+    divide_factor: float | None = None
+    requires_all_reduce: bool = True
+
+
+@dataclass(eq=False)
+class Reductions:
+    in_flight: list = field(default_factory=list)  # Reduction | PartialSum, issue order
+    issued: list[Reduction] = field(default_factory=list)  # this backward's, to hand out
+
+    # -- the queue ---------------------------------------------------------------------
+    def retire(self, keep: int = 0) -> None:
+        """Finish the shard-dim collectives until at most ``keep`` are in flight (an HSDP
+        all-reduce launched behind one stays in flight on its own lane)."""
+        while len(self.in_flight) > keep:
+            self.in_flight.pop(0).finish_scatter()
+
+    def wait_all(self) -> None:
+        self.retire(0)
+        for r in self.issued:
+            r.wait()
+
+    def clear(self) -> None:
+        """Wait for everything and drop this backward's states (``reset_iter_state``)."""
+        self.wait_all()
+        self.issued = []
+
+    def forget(self) -> None:
+        """Drop this backward's states without waiting (a backward that raised: its
+        reductions are never handed out; the collectives stay queued to be waited for)."""
+        self.issued = []
+
+    def _take_earlier(self, unit: Unit) -> Reduction | None:
+        for k, r in enumerate(self.issued):
+            if r.unit is unit:
+                r.wait()
+                self.in_flight = [x for x in self.in_flight if x is not r]
+                del self.issued[k]
+                return r
+        return None
+
+    def _add(self, red: Reduction, queued: bool = True) -> None:
+        self.issued.append(red)
+        if queued:
+            self.in_flight.append(red)
+        trace.record("reduce_scatter", red.unit, red.target.numel() * red.target.element_size(), early=red.early)
+
+    # -- issuing -----------------------------------------------------------------------
+    def reduce(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
+               early: bool = False) -> None:
+        """Reduce ``unit``'s gradient buffer ``grad`` over its data-parallel ranks."""
+        buf, dp = unit.buf, unit.dp
+        prev = self._take_earlier(unit)
+        if prev is not None:  # late gradients of an early-reduced unit: add them in
+            touched = [x or y for x, y in zip(touched, prev.touched)]
+        if dp.replicate is not None:
+            return self._reduce_hsdp(dev, unit, grad, touched, settings, prev, early)
+        factor = settings.divide_factor
+        if prev is not None:
+            pending = reduce_scatter(dev, dp.shard, grad, prev.target, True, factor)
+            return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True))
+        had, existing = unit.existing_grads()
+        if not existing:
+            if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None:
+                # nothing to reduce: the unsharded gradient buffer is the sharded one
+                return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early), queued=False)
+            target, accumulate = buf.new_sharded_grad(), False
+        else:
+            target, accumulate = unit.accumulation_target(existing), True
+        pending = reduce_scatter(dev, dp.shard, grad, target, accumulate, factor)
+        self._add(Reduction(unit, pending, target, touched, had, dp, early=early))
+
+    def _reduce_hsdp(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
+                     prev: Reduction | None, early: bool) -> None:
+        """HSDP: sum over the shard dim into a fresh segment (one reduce-scatter), then sum
+        over the replicate dim (one all-reduce, its own lane) and divide by every data-
+        parallel rank. With ``set_requires_all_reduce(False)`` the shard-dim sums pile up
+        instead and the sharded grads stay as they are, until a reduction that all-reduces
+        (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
+        buf, dp = unit.buf, unit.dp
+        earlier, unit.partial = unit.partial, None
+        earlier_touched, unit.partial_touched = unit.partial_touched, None
+        if earlier_touched is not None:
+            touched = [x or y for x, y in zip(touched, earlier_touched)]
+        if not settings.requires_all_reduce:
+            partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+
+            def keep():
+                if earlier is not None:
+                    partial.add_(earlier)
+                unit.partial, unit.partial_touched = partial, touched
+
+            first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0)
+            self.in_flight.append(PartialSum(unit, first, keep))
+            trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early)
+            return
+        had, existing = unit.existing_grads()
+        if prev is not None:  # late gradients: add into the early reduction's segment
+            had, existing, early = prev.had_grad, {-1: prev.target}, True
+            target = prev.target
+        else:
+            target = unit.accumulation_target(existing) if existing else buf.new_sharded_grad()
+        # the common case (nothing accumulates, same dtype): reduce straight into the new
+        # sharded gradient segment and all-reduce it in place: no second segment, no copy
+        direct = earlier is None and not existing and grad.dtype == buf.dtype
+        partial = target if direct else torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+        factor = float(settings.divide_factor or dp.size)
+        first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0)
+
+        def before() -> None:
+            if earlier is not None:
+                partial.add_(earlier)
+
+        def after() -> None:
+            if existing:
+                target.add_(partial.to(target.dtype), alpha=1.0 / factor)
+                return
+            if partial is not target:
+                target.copy_(partial)
+            target.mul_(1.0 / factor)
+
+        keep = (partial, target) + ((earlier,) if earlier is not None else ())
+        second = all_reduce(dev, dp.replicate, partial, pre=before, post=after, after=first, keep=keep, out=(target,))
+        self._add(Reduction(unit, first, target, touched, had, dp, early=early, replicate=second))
+        trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
+
+    # -- the end of backward -------------------------------------------------------------
+    def hand_out(self, groups: list) -> None:
+        """After every reduction finished: one all-reduce of the 'got a gradient' and
+        'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
+        its replicate dim under HSDP), on the host; then each unit points its sharded grads
+        into the reduced segment. ``groups`` (in the root's order) orders the flags the
+        same on every rank."""
+        self.wait_all()
+        order = {id(u): k for k, g in enumerate(groups) for u in g.units}
+        describe = {id(u): g._describe() for g in groups for u in g.units}
+        issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
+        self.issued = []
+        by_dp: dict[int, list[Reduction]] = {}
+        for r in issued:
+            by_dp.setdefault(id(r.dp), []).append(r)
+        for items in by_dp.values():
+            dp = items[0].dp
+            # per reduction, also (early, not early): every rank must have issued it at the
+            # same point, or the collectives paired different buffers; MAX makes a mismatch (1, 1)
+            early = [v for r in items for v in (int(r.early), 1 - int(r.early))]
+            flags = torch.tensor([int(f) for r in items for f in r.touched] + early, dtype=torch.int32)
+            for comm in (dp.shard, dp.replicate):
+                if comm is not None and comm.world_size > 1 and flags.numel():
+                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.host_group)
+            got = flags.tolist()
+            n_touched = len(got) - len(early)
+            mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
+            if mixed:
+                raise RuntimeError(
+                    f"ragged_fsdp: the gradient reduction of {describe.get(id(mixed[0].unit), '?')} (buffer {mixed[0].unit.index}) "
+                    "ran early on some ranks and at the end of backward on others, so the collectives of that "
+                    "backward paired different buffers. The modules owning its parameters must run (with inputs "
+                    "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")
+            k = 0
+            for r in items:
+                n = len(r.touched)
+                r.unit.hand_out(r.target, [bool(x) for x in got[k:k + n]], r.had_grad)
+                k += n

@@ -1,0 +1,290 @@
+"""Unit: one DBuffer of a group at run time, with everything that is per buffer.
+
+A group (:mod:`.param_group`) holds one unit per DBuffer. The unit holds the buffer, its
+data-parallel mesh (:class:`~.mesh_info.DPMesh`), the :class:`ParamInfo` of every parameter
+laid out in it, and the state of that one buffer in a step:
+
+* ``freed``: its unsharded buffer was freed while the group still counts as unsharded (the
+  next unshard gathers it again; its parameters are registered sharded meanwhile);
+* ``post_forward_comm`` / ``kept``: ``reshard_after_forward=k`` keeps this rank's 1/k of the
+  unsharded buffer after forward and gathers within those k ranks for backward;
+* ``last_grad_seg``: the sharded gradient segment its grads point into, reused when the next
+  reduction accumulates into the same grads;
+* ``partial`` / ``partial_touched``: HSDP with ``set_requires_all_reduce(False)``: shard-dim
+  sums waiting for a reduction that all-reduces over the replicate dim;
+* ``embedding`` (its parameters are untied ``nn.Embedding`` weights only: backward may skip
+  gathering it) and ``early`` (its owner modules carry PostBackward nodes: it may be reduced
+  before the group's post-backward, see :mod:`.backward`).
+
+It owns what is done to that one buffer: gather (issue), register the unsharded or sharded
+parameters, free, keep a part after forward, take its gradient for a reduction and hand the
+reduced gradient out to the sharded parameters. When collectives run, and in what order
+across units and groups, is the group's and the reduction owner's (:mod:`.reduction`) call.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ragged_fsdp.dbuffer import DBuffer
+
+from . import tracing as trace
+from .collectives import Comm, all_gather
+from .device import Device, Pending
+from .mesh_info import DPMesh
+from .quant_gather import quant_all_gather
+from .sharded_param import local_of, make_sharded_grad
+
+__all__ = ["ParamInfo", "Unit"]
+
+
+@dataclass
+class ParamInfo:
+    fqn: str  # as in the wrapped module's named_parameters()
+    buffer: int  # index of its unit in the group
+    slot: int  # index into that buffer's layout
+    owners: list[tuple[nn.Module, str]]  # every (module, attribute) registering it (tied params)
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    unsharded_spec: Any = None  # DTensorSpec of a TP/EP parameter's unsharded DTensor, or None
+    dp_dims: tuple[int, ...] = ()  # dims of that spec's mesh that are data-parallel (dp_mesh_dims)
+
+    def register(self, param: nn.Parameter) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = param
+
+
+def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor:
+    """A TP/EP parameter's DTensor gradient as a local tensor in the parameter's own
+    placements (a Partial gradient, e.g. of a norm weight under SequenceParallel, is summed
+    over its TP ranks first, as torch's FSDP2 does). Data-parallel dims are left as they
+    are: a Partial there is exactly what the reduction sums."""
+    with torch.no_grad():
+        want = tuple(g.placements[i] if i in dp_dims else p for i, p in enumerate(spec.placements))
+        if tuple(g.placements) != want:
+            g = g.redistribute(g.device_mesh, want)
+        local = g.to_local()
+        if type(local).__name__ == "AsyncCollectiveTensor":
+            local = local.wait()
+    return local
+
+
+class Unit:
+    """One DBuffer and its per-step state (see the module docstring)."""
+
+    def __init__(self, index: int, buf: DBuffer, dp: DPMesh, *, embedding: bool,
+                 group_name: Callable[[], str], after_grad: Callable[[torch.Tensor], None]):
+        self.index = index
+        self.buf = buf
+        self.dp = dp
+        self.infos: list[ParamInfo] = []
+        self.embedding = embedding
+        self.early = False
+        self.freed = False
+        self.post_forward_comm: Comm | None = None
+        self.kept: torch.Tensor | None = None
+        self.last_grad_seg: weakref.ref | None = None
+        self.partial: torch.Tensor | None = None
+        self.partial_touched: list[bool] | None = None
+        self.group_name = group_name
+        self._after_grad = after_grad
+        self.new_forward_record()
+        self.new_backward_record()
+
+    # what backward needs to know about this unit (kept and read by .backward)
+    def new_forward_record(self) -> None:
+        """Reset with the group's forward record (see backward.ForwardRecord)."""
+        self.saved = False  # the watch saw autograd save its storage
+        self.saved_outside = False  # ... while none of its owner modules ran
+        self.owner_calls = 0  # owner-module calls with a PostBackward node on their inputs
+        self.owner_blind = False  # an owner-module call whose inputs needed no grad
+
+    def new_backward_record(self) -> None:
+        self.owner_fired = 0  # owner-module PostBackward nodes that ran in this backward
+        self.reduced_early = False  # reduced before the group's post-backward
+
+    def __repr__(self) -> str:
+        return f"Unit({self.group_name()}#{self.index}, {len(self.infos)} tensors, {self.buf!r})"
+
+    @property
+    def comm(self) -> Comm:
+        return self.dp.shard
+
+    @property
+    def trainable(self) -> bool:
+        return any(i.sharded.requires_grad for i in self.infos)
+
+    def unsharded_bytes(self) -> int:
+        return self.buf.layout.total * self.buf.compute_dtype.itemsize
+
+    # -- gather / free -----------------------------------------------------------------
+    def gather(self, dev: Device, from_kept: bool) -> Pending | None:
+        """Issue the all-gather of the unsharded buffer (None: nothing to gather, the
+        unsharded buffer is the sharded segment). ``from_kept``: from the parts the ranks
+        of ``post_forward_comm`` kept after forward."""
+        buf = self.buf
+        if from_kept:
+            p = all_gather(dev, self.post_forward_comm, buf, inp=self.kept)
+        elif buf.quant:
+            p = quant_all_gather(dev, self.comm, buf)
+        else:
+            p = all_gather(dev, self.comm, buf)
+        if p is not None:
+            trace.record("all_gather", self, self.unsharded_bytes())
+        return p
+
+    def register_unsharded(self) -> None:
+        for info in self.infos:
+            info.register(self.unsharded_param(info))
+
+    def register_sharded(self) -> None:
+        for info in self.infos:
+            info.register(info.sharded)
+
+    def free(self) -> None:
+        """Free the unsharded buffer (its views stay valid objects)."""
+        buf = self.buf
+        if not buf.aliased and buf.unsharded_allocated:
+            trace.record("free", self, self.unsharded_bytes())
+        buf.free_unsharded()
+
+    def keep_part(self) -> None:
+        """``reshard_after_forward=k``: keep this rank's 1/k of the unsharded buffer, free the rest."""
+        comm, buf = self.post_forward_comm, self.buf
+        part = buf.layout.total // comm.world_size
+        self.kept = buf.unsharded.narrow(0, comm.rank * part, part).clone()
+        trace.record("keep", self, self.kept.numel() * self.kept.element_size())
+        self.free()
+
+    def unsharded_param(self, info: ParamInfo) -> nn.Parameter:
+        buf = self.buf
+        p = info.unsharded
+        if p is None:
+            view = buf.unsharded_views()[info.slot]
+            spec = info.unsharded_spec
+            if spec is not None:
+                # a TP/EP parameter: the module computes with a DTensor of its own mesh and
+                # placements whose local tensor is the gathered view (as before fully_shard)
+                view = DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
+                                          shape=spec.shape, stride=spec.stride)
+            p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+            if buf.reduce_dtype != buf.compute_dtype and spec is None:
+                p.grad_dtype = buf.reduce_dtype
+            if p.requires_grad:
+                p.register_hook(functools.partial(self._on_grad, info))
+                p.register_post_accumulate_grad_hook(self._after_grad)
+        elif p.requires_grad != info.sharded.requires_grad:
+            p.requires_grad_(info.sharded.requires_grad)
+        return p
+
+    # -- gradients -----------------------------------------------------------------------
+    def _on_grad(self, info: ParamInfo, grad: torch.Tensor) -> torch.Tensor:
+        """Runs before autograd accumulates a gradient into an unsharded parameter: the
+        gradient buffer exists from its first gradient on (not from pre-backward), and the
+        parameter's ``.grad`` becomes an alias into it, so the accumulation that follows
+        writes into the buffer in place."""
+        buf = self.buf
+        if buf.grad is None:
+            buf.alloc_grad()
+        p = info.unsharded
+        alias = buf.grad_view(info.slot)
+        # a TP/EP DTensor keeps autograd's own DTensor gradient (its placements may be
+        # Partial): fold_foreign_grads moves it to the parameter's placements and adds it in
+        if info.unsharded_spec is None and p is not None and p.grad is not alias:
+            if p.grad is None:
+                p.grad = alias
+            else:
+                self._fold_foreign_grad(info)
+        return grad
+
+    def fold_foreign_grads(self) -> None:
+        """Add into the gradient buffer every gradient autograd made on its own instead of
+        accumulating into the alias."""
+        buf = self.buf
+        for info in self.infos:
+            p = info.unsharded
+            if p is None or p.grad is None:
+                continue
+            if buf.grad is None or info.unsharded_spec is not None or p.grad is not buf.grad_view(info.slot):
+                self._fold_foreign_grad(info)
+
+    def _fold_foreign_grad(self, info: ParamInfo) -> None:
+        p, buf = info.unsharded, self.buf
+        if buf.grad is None:
+            buf.alloc_grad()
+        alias = buf.grad_view(info.slot)
+        g = p.grad
+        p.grad = None
+        if isinstance(g, DTensor):
+            g = _local_grad(g, info.unsharded_spec, info.dp_dims)
+        with torch.no_grad():
+            alias.add_(g.reshape(alias.shape).to(alias.dtype))
+        if info.unsharded_spec is None:
+            p.grad = alias
+
+    def has_pending_grads(self) -> bool:
+        return any(i.unsharded is not None and i.unsharded.grad is not None for i in self.infos)
+
+    def take_grad(self) -> tuple[torch.Tensor, list[bool]]:
+        """Hand over the gradient buffer to be reduced, with which slots were written; the
+        unsharded parameters' ``.grad`` aliases into it are dropped."""
+        buf = self.buf
+        if buf.grad is None:
+            buf.alloc_grad()  # every rank reduces the same buffers, used here or not
+        touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
+        grad = buf.take_grad()
+        for info in self.infos:
+            if info.unsharded is not None:
+                info.unsharded.grad = None
+        return grad, touched
+
+    def existing_grads(self) -> tuple[list[bool], dict[int, torch.Tensor]]:
+        had = [False] * len(self.buf.slots)
+        existing = {}
+        for info in self.infos:
+            if info.sharded.grad is not None:
+                had[info.slot] = True
+                existing[info.slot] = info.sharded.grad
+        return had, existing
+
+    def accumulation_target(self, existing: dict[int, torch.Tensor]) -> torch.Tensor:
+        """The sharded gradient segment to add into: the last one we made if every existing
+        grad still lives in it, else a fresh one holding the existing grads."""
+        buf = self.buf
+        ref = self.last_grad_seg
+        last = ref() if ref is not None else None
+        if last is not None:
+            ptr = last.untyped_storage().data_ptr()
+            if all(local_of(g).untyped_storage().data_ptr() == ptr for g in existing.values()):
+                with torch.no_grad():
+                    for i in range(len(buf.slots)):
+                        if i not in existing and buf.slots[i].local_numel:
+                            buf.local_view(last, i).zero_()
+                return last
+        target = buf.new_sharded_grad(zero=True)
+        with torch.no_grad():
+            for i, g in existing.items():
+                buf.local_view(target, i).copy_(local_of(g).reshape(buf.slots[i].local_shape))
+        return target
+
+    def hand_out(self, target: torch.Tensor, got_grad: list[bool], had_grad: list[bool]) -> None:
+        """Point the sharded grads into the reduced segment (after the reduction finished).
+        A parameter no rank produced a gradient for keeps ``.grad = None``."""
+        buf = self.buf
+        self.last_grad_seg = weakref.ref(target)
+        for info in self.infos:
+            if not info.sharded.requires_grad:
+                continue
+            i = info.slot
+            if not (got_grad[i] or had_grad[i]):
+                info.sharded.grad = None
+                continue
+            info.sharded.grad = make_sharded_grad(buf.local_view(target, i), info.sharded)

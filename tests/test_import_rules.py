@@ -1,0 +1,131 @@
+"""The package's import graph: no cycles, and the pure layers stay pure.
+
+Read from the source (``ast``), so function-level imports count as much as top-level ones,
+and importing a module counts as importing its parent packages' ``__init__`` (Python runs
+them first), except the root ``ragged_fsdp/__init__.py``, which loads everything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Cycles that are known and owned elsewhere (checkpoint/); a new cycle fails the test, and so does a
+# listed one that is gone (remove it here).
+KNOWN_CYCLES = {
+    frozenset({"ragged_fsdp.checkpoint.atomic", "ragged_fsdp.checkpoint.convert"}),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in (SRC / "ragged_fsdp").rglob("*.py"):
+        name = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str) -> tuple[set[str], set[str]]:
+    """(ragged_fsdp modules, other top-level imports as dotted names) of one module."""
+    path = MODULES[name]
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    ours, other = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        for t in targets:
+            if not t.startswith("ragged_fsdp"):
+                other.add(t)
+                continue
+            while t not in MODULES and "." in t:
+                t = t.rpartition(".")[0]
+            if t != name:
+                ours.add(t)
+    return ours, other
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _loads(name: str) -> set[str]:
+    """Every ragged_fsdp module importing ``name`` runs (itself included)."""
+    seen, todo = set(), [name]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parent = m.rpartition(".")[0]
+        if parent and parent != "ragged_fsdp":
+            todo.append(parent)
+        todo.extend(GRAPH[m][0])
+    return seen
+
+
+def _cycles() -> set[frozenset[str]]:
+    index, low, stack, on, out = {}, {}, [], set(), set()
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v][0]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.add(frozenset(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_new_import_cycles():
+    found = _cycles()
+    assert found <= KNOWN_CYCLES, f"new import cycles: {[sorted(c) for c in found - KNOWN_CYCLES]}"
+    assert KNOWN_CYCLES <= found, f"gone (remove from KNOWN_CYCLES): {[sorted(c) for c in KNOWN_CYCLES - found]}"
+
+
+PURE = ["ragged_fsdp.planner." + p.stem for p in (SRC / "ragged_fsdp" / "planner").glob("*.py") if p.stem != "__init__"]
+PURE += ["ragged_fsdp.planner", "ragged_fsdp.dbuffer.layout", "ragged_fsdp.ragged_units", "ragged_fsdp.shapes"]
+FORBIDDEN = ("ragged_fsdp.placement", "ragged_fsdp.comm", "ragged_fsdp.fsdp")
+
+
+def test_pure_layers_import_no_distributed_code():
+    assert len(PURE) > 10
+    for name in PURE:
+        loads = _loads(name)
+        bad = sorted(m for m in loads if m.startswith(FORBIDDEN))
+        assert not bad, f"{name} loads {bad}"
+        dist = sorted((m, t) for m in loads for t in GRAPH[m][1] if t.startswith("torch.distributed"))
+        assert not dist, f"{name} loads torch.distributed via {dist}"
+
+
+def test_the_rules_can_fail():
+    """The checks see a violation where there is one (the engine imports the placement)."""
+    assert any(m.startswith("ragged_fsdp.placement") for m in _loads("ragged_fsdp.fsdp.build"))
+    assert any(t.startswith("torch.distributed") for t in GRAPH["ragged_fsdp.comm"][1])
