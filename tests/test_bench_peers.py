@@ -73,7 +73,7 @@ def test_render_only_rewrites_the_page(tmp_path):
     src, md = tmp_path / "peers.json", tmp_path / "peers.md"
     src.write_text(json.dumps(_doc()))
     assert peers.main(["--render", str(src), "--md", str(md)]) == 0
-    assert md.read_text() == render_page(_doc(), peers.INTRO)
+    assert md.read_text() == render_page(_doc(), peers.INTRO, peers.NOTES)
 
 
 def test_quick_launch_matches_single_process(tmp_path):

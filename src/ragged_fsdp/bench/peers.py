@@ -173,6 +173,8 @@ def _rank_main(rank: int, world: int, cfg: PeersConfig, port: int, queue) -> Non
             first = next((e for e in errs if e), None)
             if first is not None:
                 row.update(status="error", reason=first)
+                if rank == 0:
+                    print(f"peers: W={world} {kind} {fw}: error (recorded)", flush=True)
                 continue
             x, y = data[0]
             try:
@@ -185,6 +187,8 @@ def _rank_main(rank: int, world: int, cfg: PeersConfig, port: int, queue) -> Non
             if rank == 0:
                 row.update(loss_ref=ref, **compare(losses, ref, cfg.rtol))
             runners[fw] = runner
+            if rank == 0:
+                print(f"peers: W={world} {kind} {fw}: {row['status']}", flush=True)
         names = list(runners)
         times = {fw: [] for fw in names}
         x, y = data[0]
@@ -278,14 +282,44 @@ python3 -m venv .venv-peers
 ```"""
 
 
-def write(doc: dict, out: str | None, md: str | None, notes: str = "") -> None:
+NOTES = """## How each framework is set up
+
+- **ragged_fsdp** and **torch FSDP2**: `fully_shard` on each transformer block, then on the
+  root; ragged_fsdp steps with `ragged_fsdp.optim.AdamW`, FSDP2 with
+  `torch.optim.AdamW(foreach=True)` (the same set-up as `python -m ragged_fsdp bench`).
+- **DeepSpeed ZeRO-3**: `deepspeed.initialize` with `zero_optimization.stage = 3`, torch's
+  `AdamW` as the client optimizer (no compiled DeepSpeed ops), `DS_ACCELERATOR=cpu` (its CPU
+  accelerator over the gloo process group already started), then `engine(x)`,
+  `engine.backward(loss)`, `engine.step()`. The buckets are sized to the model as Hugging
+  Face's `auto` ZeRO-3 values do (`reduce_bucket_size` = hidden², `stage3_prefetch_bucket_size`
+  = 0.9 hidden², `stage3_param_persistence_threshold` = 10 hidden): DeepSpeed's default reduce
+  bucket, 5e8 elements, is 1,907 MiB in fp32 per rank, larger than these models. Every other
+  ZeRO-3 setting is DeepSpeed's default, among them `stage3_max_reuse_distance` = 1e9, under
+  which a parameter gathered in forward is kept for backward on models this size: its
+  all-gather bytes then equal its reduce-scatter bytes, where FSDP2 and ragged_fsdp gather the
+  blocks again in backward. Measured once at W = 2 on the `--quick` dense model: setting it to
+  0 raises DeepSpeed's all-gather bytes per step from 299,328 to 448,832 (FSDP2: 336,448). The
+  launcher sets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`
+  as `torchrun` would: DeepSpeed asserts that `LOCAL_RANK` is set.
+- **Megatron-FSDP**: `megatron_fsdp.fully_shard(model, optimizer, device_mesh=...,
+  dp_shard_dim="fsdp", tp_dim="tp", fsdp_unit_modules=[block], zero_dp_strategy=3,
+  device=cpu)`, as its package documentation shows. Its `MegatronFSDP` constructor compares
+  the device with `torch.cuda.current_device()` and creates `torch.cuda.Stream()`s, so on a
+  torch built without CUDA it raises before any step whatever `device` is passed (the error
+  above).
+
+Ratios come from one launch on a machine shared with other work: read them as rough, and
+re-run on your machine (the command above) for numbers that hold there."""
+
+
+def write(doc: dict, out: str | None, md: str | None) -> None:
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(doc, indent=1) + "\n")
         print(f"wrote {out}")
     if md:
         Path(md).parent.mkdir(parents=True, exist_ok=True)
-        Path(md).write_text(render_page(doc, INTRO, doc.get("notes", notes)))
+        Path(md).write_text(render_page(doc, INTRO, NOTES))
         print(f"wrote {md}")
 
 
