@@ -47,7 +47,7 @@ def format_table(results, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def _gpu_range(spec: str) -> list[int]:
+def gpu_range(spec: str) -> list[int]:
     key, sep, val = spec.partition("=")
     if key != "gpus" or not sep:
         raise ValueError(f"--sweep {spec!r}: expected gpus=LO..HI (powers of two), e.g. gpus=64..16384")
@@ -67,7 +67,7 @@ def sweep(sc: Scenario, spec: str, frameworks=FRAMEWORKS, mesh_fn=None):
     from .arch import resolve_model
 
     arch = resolve_model(sc.model)
-    gpus = _gpu_range(spec)
+    gpus = gpu_range(spec)
     weak, strong = {}, {}
     global_seqs = sc.micro_batch * gpus[0]
     for g in gpus:
