@@ -174,3 +174,29 @@ def test_cli_recipe_flags_and_json(capsys):
     assert f2["vs_ragged"]["step_s"] and math.isfinite(f2["tokens_per_s_per_gpu"])
     assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "64", "--frameworks", "ragged,fsdp2"]) == 0
     assert "vs ragged:" in capsys.readouterr().out
+
+
+def test_loss_bytes_per_logit_match_memtracker():
+    """The loss term that dominates long-sequence peaks (bf16 logits -> fp32 cross-entropy,
+    torchtitan's loss) against MemTracker on a small CPU case."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ragged_fsdp.sim.simulate import LOSS_BYTES_PER_LOGIT
+
+    torch.manual_seed(0)
+    n, v, h = 1024, 4096, 64
+    x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, v, (n,))
+    mt = MemTracker()
+    mt.track_external(x, w)
+    with mt:
+        logits = x @ w.t()
+        loss = F.cross_entropy(logits.float(), y)
+        del logits
+        loss.backward()
+    peak = sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+    per_logit = (peak - 2 * 2 * (n * h + v * h)) / (n * v)  # minus inputs and their grads
+    assert abs(per_logit / LOSS_BYTES_PER_LOGIT - 1) < 0.10, per_logit
