@@ -185,7 +185,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.sim.validate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default="docs/data/sim_validation.json", help="where to write the results ('' = nowhere)")
     ap.add_argument("--fit", action="store_true", help="only refit the constants and print them")
+    ap.add_argument("--render", default=None, metavar="JSON", help="print the tables of a written JSON and stop")
     args = ap.parse_args(argv)
+    if args.render:
+        doc = json.loads(Path(args.render).read_text())
+        s = doc["summary"]
+        print(f"`{doc['command']}`, {doc['date']}, torch {doc['torch']}\n")
+        print(markdown(doc))
+        print("\nFit points (the error there is the fit's residual):\n")
+        print(markdown(doc, "fit"))
+        print(f"\n{s['points']} validation points, {s['sources']} sources: tokens/s median |error| "
+              f"{s['tokens_per_s_median_abs_error']:.1%}, max {s['tokens_per_s_max_abs_error']:.1%}; "
+              f"{s['within_8pct']} within 8%, {s['within_20pct']} within 20%. Memory ({s['memory_points']} points): "
+              f"median {s['memory_median_abs_error']:.1%}, max {s['memory_max_abs_error']:.1%}, "
+              f"{s['memory_within_10pct']} within 10%.")
+        return 0
     data = load_points()
     pts = data["points"]
     refit = fit(pts)
