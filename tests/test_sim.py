@@ -131,7 +131,7 @@ def test_plain_fsdp_published_points_stay_close():
     rows = evaluate([p for p in load_points()["points"] if p["id"] in ids])
     assert len(rows) == len(ids)
     for r in rows:
-        assert r["role"] == "validate" and abs(r["tokens_per_s_error"]) <= 0.08, r
+        assert r["role"] == "validate" and abs(r["tokens_per_s_error"]) <= 0.10, r
 
 
 def test_alpha_beta_fit_recovers_a_line():

@@ -200,3 +200,13 @@ def test_loss_bytes_per_logit_match_memtracker():
     peak = sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
     per_logit = (peak - 2 * 2 * (n * h + v * h)) / (n * v)  # minus inputs and their grads
     assert abs(per_logit / LOSS_BYTES_PER_LOGIT - 1) < 0.10, per_logit
+
+
+def test_mesh_auto_keeps_meshes_the_recipe_allows(capsys):
+    assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "16", "--mesh", "auto", "--async-tp",
+                     "--frameworks", "ragged"]) == 0
+    out = capsys.readouterr().out
+    assert "tp=" in out.splitlines()[2]
+    assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "16", "--mesh", "auto", "--microbatches", "2",
+                     "--micro-batch", "2", "--frameworks", "ragged"]) == 2
+    assert "no candidate mesh" in capsys.readouterr().err

@@ -289,14 +289,23 @@ def simulate_auto(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None)
     arch = arch or resolve_model(sc.model)
     best: dict[str, tuple] = {}
     tried: dict[str, list] = {fw: [] for fw in frameworks}
+    refused = []
     for mesh in candidate_meshes(sc.gpus, bool(arch.experts), sc.profile.gpus_per_node):
         sc2 = Scenario(**{**sc.__dict__, "mesh": mesh})
-        for r in simulate(sc2, frameworks, arch):
+        try:  # e.g. --async-tp rules out the meshes without TP
+            got = simulate(sc2, frameworks, arch)
+        except ValueError as e:
+            refused.append(f"{mesh}: {e}")
+            continue
+        for r in got:
             tried[r.framework].append(r)
             cur = best.get(r.framework)
             key = (r.fits, r.tokens_per_s_per_gpu)
             if cur is None or key > cur[0]:
                 best[r.framework] = (key, r)
+    if not best:
+        raise ValueError("--mesh auto: no candidate mesh (FSDP, HSDP, TP 2-8, EP) accepts this recipe: "
+                         + "; ".join(refused[:3]))
     out, why = [], {}
     for fw in frameworks:
         r = best[fw][1]

@@ -33,7 +33,9 @@ EFF_KEY = {"h100": "h100", "h100-gt": "h100", "h200": "h100", "b200": "h100", "a
 
 
 def load_points(path: Path = POINTS_PATH) -> dict:
-    return json.loads(Path(path).read_text())
+    data = json.loads(Path(path).read_text())
+    _MODELS.update(data.get("models", {}))
+    return data
 
 
 def _scenario(pt: dict) -> Scenario:
@@ -44,8 +46,21 @@ def _scenario(pt: dict) -> Scenario:
                     pt["local_batch"], pt["act_ckpt"], None, recipe=Recipe(**r))
 
 
+_MODELS: dict = {}  # models the points define inline (Hugging Face configs), by name
+
+
+def _arch(name: str):
+    if name not in _MODELS:
+        return None
+    from ..models.catalog import model_from_config
+    from .arch import arch_from_shapes, check_arch
+    from .hf_config import hf_to_catalog
+
+    return check_arch(arch_from_shapes(model_from_config(name, hf_to_catalog(_MODELS[name]))))
+
+
 def predict(pt: dict):
-    return simulate(_scenario(pt), ("fsdp2",))[0]
+    return simulate(_scenario(pt), ("fsdp2",), _arch(pt["model"]))[0]
 
 
 @contextlib.contextmanager
@@ -177,7 +192,7 @@ def markdown(doc: dict, role: str = "validate") -> str:
                      f"{r['tokens_per_s_published']:,.1f} | {r['tokens_per_s_predicted']:,.1f} | "
                      f"{r['tokens_per_s_error']:+.1%} | {mp} | {r['memory_gib_predicted']:.1f} | {me} |")
     lines.append("")
-    lines += [f"[{n}]: {s}" for s, n in srcs.items()]
+    lines += [f"- [{n}] <{s}>" for s, n in srcs.items()]
     return "\n".join(lines)
 
 
