@@ -3,15 +3,19 @@ ragged_fsdp, FSDP2, FSDP1, DeepSpeed ZeRO-3 and Megatron-FSDP, from shapes only.
 
     python -m ragged_fsdp simulate --model gpt-oss-120b --gpus 1024 --gpu h100 \\
         --optimizer adamw --dtype bf16 --seq 4096 --micro-batch 1 --act-ckpt full \\
-        [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | auto] \\
+        [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | pp=8,tp=8,dp=16 | cp=4,dp=256 | auto] \\
+        [--compile] [--float8 tensorwise|rowwise [--float8-allgather]] [--async-tp] \\
+        [--pp-schedule 1f1b|interleaved_1f1b|zero_bubble] [--microbatches M] \\
         [--frameworks ragged,fsdp2,fsdp1,deepspeed,megatron] [--sweep gpus=64..16384] \\
         [--json] [--plot out.png]
     python -m ragged_fsdp simulate --calibrate [--profile-out out/cpu_profile.json]
 
 Layouts come from the real planner; each framework differs only where it really does
 (layout and padding, copies, buffer lifetimes, collective granularity), and the output names
-each difference. hsdp=RxS means R replicas of S-rank shard groups. --model also takes a
-Hugging Face config.json (Llama, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2).
+each difference and, for every framework, where it differs from ragged_fsdp by cause.
+hsdp=RxS means R replicas of S-rank shard groups. --model also takes a Hugging Face
+config.json (Llama, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2). The cost models and
+their fitted constants: docs/simulate.md.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ import json
 import sys
 
 from ..models.catalog import list_models
-from ..sim.mesh import parse_mesh
+from ..sim.mesh import Mesh, parse_mesh
+from ..sim.options import AC_MODES, FLOAT8_RECIPES, MAX_GPUS, PP_SCHEDULES, Recipe, check_finite
 from ..sim.profiles import PROFILES, get_profile
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
 from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
 
-_OVERRIDES = [  # flag, profile field, scale, help
+_OVERRIDES = [  # flag, profile field, scale, help (ranges: profiles.validate_profile)
     ("--gpu-hbm-gb", "hbm_bytes", 1e9, "device memory, GB"),
     ("--gpu-tflops", "flops", 1e12, "peak dense TFLOP/s in the compute dtype"),
     ("--gpu-mem-bw-gbs", "mem_bw", 1e9, "memory bandwidth, GB/s"),
@@ -53,8 +58,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute dtype")
     p.add_argument("--seq", type=int, default=4096, help="sequence length")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per step")
-    p.add_argument("--act-ckpt", default="full", choices=("none", "selective", "full"))
-    p.add_argument("--mesh", default=None, help="dp=N | hsdp=RxS | tp=T,dp=N | ep=E,dp=N | auto (default dp=GPUS)")
+    p.add_argument("--act-ckpt", default="full", choices=AC_MODES,
+                   help="none | selective (torchtitan's per-layer SAC, every 2nd block) | op (torchtitan's "
+                        "per-op SAC) | full")
+    p.add_argument("--mesh", default=None,
+                   help="dp=N | hsdp=RxS | tp=T,dp=N | ep=E,dp=N | pp=P,... | cp=C,... | auto (default dp=GPUS)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the blocks (fitted speed-up)")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES, help="torchao float8 linears in the blocks")
+    p.add_argument("--float8-allgather", action="store_true",
+                   help="all-gather the float8 linears' weights in 1 byte (FSDP2: torchao float8; ragged_fsdp: "
+                        "its BlockFP8, 1 byte + an fp32 scale per 128x128 tile)")
+    p.add_argument("--async-tp", action="store_true", help="TP collectives as collective matmuls (needs tp > 1)")
+    p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (with pp > 1)")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pipeline microbatches per step (default: --micro-batch, one sequence each)")
+    p.add_argument("--pp-virtual-stages", type=int, default=2, help="stages per rank for interleaved_1f1b")
     p.add_argument("--granularity", default="auto",
                    help="ragged_fsdp's block rule (element, row, rows:K, block:N, tensor, matrix); "
                         "auto follows the optimizer")
@@ -68,16 +86,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+_RANGE = {"--efficiency": (0.0, 1.0, True), "--overlap": (0.0, 1.0, False), "--reserved-gb": (0.0, 1e6, False)}
+
+
 def _profile(args):
     prof = get_profile(args.gpu)
     kw = {}
     for flag, field, scale, _ in _OVERRIDES:
         v = getattr(args, flag.lstrip("-").replace("-", "_"))
         if v is not None:
-            if v <= 0:
-                raise ValueError(f"{flag} must be > 0 (got {v})")
+            lo, hi, lo_open = _RANGE.get(flag, (0.0, float("inf"), True))
+            v = check_finite(flag, v, lo, hi, lo_open)
+            if field == "gpus_per_node" and v != int(v):
+                raise ValueError(f"--gpus-per-node must be a whole number (got {v:g})")
             kw[field] = int(v) if field == "gpus_per_node" else v * scale
     return prof.with_overrides(**kw)
+
+
+def _check_args(args) -> None:
+    """Bounds first, so nothing runs for minutes on a typo."""
+    if not 1 <= args.gpus <= MAX_GPUS:
+        raise ValueError(f"--gpus {args.gpus}: must be between 1 and {MAX_GPUS:,} (as `plan`)")
+    if args.seq < 1 or args.micro_batch < 1:
+        raise ValueError("--seq and --micro-batch must be >= 1")
+    if args.plot:
+        if not args.sweep:
+            raise ValueError("--plot draws the --sweep tables; add --sweep gpus=LO..HI")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"--plot needs matplotlib ({e}); pip install matplotlib, or drop --plot") from e
 
 
 def _sweep_mesh(spec: str, gpus: int) -> str:
@@ -97,29 +135,34 @@ def run(args) -> int:
         for f in frameworks:
             if f not in FRAMEWORKS:
                 raise ValueError(f"--frameworks: unknown {f!r}; known: {', '.join(FRAMEWORKS)}")
-        if args.gpus < 1 or args.seq < 1 or args.micro_batch < 1:
-            raise ValueError("--gpus, --seq and --micro-batch must be >= 1")
+        _check_args(args)
         mesh = parse_mesh(args.mesh, args.gpus) if not args.sweep or args.mesh is None or "dp=" not in args.mesh \
             else parse_mesh(_sweep_mesh(args.mesh, args.gpus), args.gpus)
         gran = None if args.granularity == "element" else args.granularity
+        recipe = Recipe(compile=args.compile, float8=args.float8, float8_allgather=args.float8_allgather,
+                        async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
+                        pp_virtual=args.pp_virtual_stages)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
-                      args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran)
+                      args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}
         if args.sweep:
             m0 = sc.mesh
 
-            def mesh_fn(g, m0=m0):  # keep TP / EP / the HSDP shard size; dp (or replicas) grows
-                from ..sim.mesh import Mesh
-
-                fixed = m0.tp * m0.ep * (m0.dp if m0.replicate > 1 else 1)
+            def mesh_fn(g, m0=m0):  # keep TP / EP / PP / CP / the HSDP shard size; dp (or replicas) grows
+                fixed = m0.tp * m0.ep * m0.pp * m0.cp * (m0.dp if m0.replicate > 1 else 1)
                 if g % fixed:
                     raise ValueError(f"--sweep: {g} GPUs is not a multiple of {fixed} (mesh {m0})")
                 if m0.replicate > 1:
-                    return Mesh(m0.dp, g // fixed, m0.tp, m0.ep)
-                return Mesh(g // fixed, 1, m0.tp, m0.ep)
+                    return Mesh(m0.dp, g // fixed, m0.tp, m0.ep, m0.pp, m0.cp)
+                return Mesh(g // fixed, 1, m0.tp, m0.ep, m0.pp, m0.cp)
 
             if mesh is None:
                 raise ValueError("--sweep needs a fixed --mesh shape (not auto)")
+            from ..sim.report import gpu_range
+
+            hi = gpu_range(args.sweep)[-1]
+            if hi > MAX_GPUS:
+                raise ValueError(f"--sweep {args.sweep}: at most {MAX_GPUS:,} GPUs (as `plan`)")
             weak, strong = sweep(sc, args.sweep, frameworks, mesh_fn)
             if args.json:
                 print(json.dumps({"weak": {g: [r.to_json() for r in rs] for g, rs in weak.items()},
@@ -144,7 +187,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"scenario": {"model": args.model, "gpus": args.gpus, "profile": prof.to_json(),
                                        "optimizer": args.optimizer, "dtype": args.dtype, "seq": args.seq,
-                                       "micro_batch": args.micro_batch, "act_ckpt": args.act_ckpt},
+                                       "micro_batch": args.micro_batch, "act_ckpt": args.act_ckpt,
+                                       "recipe": recipe.__dict__},
                           "results": [r.to_json() for r in results], "auto": why,
                           "assumptions": ASSUMPTIONS}, indent=1, default=str))
         return 0
@@ -156,6 +200,11 @@ def run(args) -> int:
         print(f"{r.framework} [{r.status}]: " + "; ".join(r.differences))
         print("    peak: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
         print("    time: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.time_parts.items() if v))
+        if r.vs_ragged:
+            d = r.vs_ragged
+            t = ", ".join(f"{k} {v:+.1%}" for k, v in d["step_frac"].items() if abs(v) >= 5e-4)
+            m = ", ".join(f"{k} {v / 2**30:+.2f} GiB" for k, v in d["memory_bytes"].items() if abs(v) >= 2**24)
+            print(f"    vs ragged: step {t or 'same'}; memory {m or 'same'}")
         if r.framework in why:
             print(f"    mesh auto: {why[r.framework]}")
     return 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ..models.catalog import ModelShapes, get_model
 
-__all__ = ["Arch", "resolve_model", "arch_from_shapes"]
+__all__ = ["Arch", "resolve_model", "arch_from_shapes", "check_arch"]
 
 
 def _is_expert(name: str) -> bool:
@@ -113,6 +113,20 @@ def arch_from_shapes(m: ModelShapes) -> Arch:
     raise ValueError(f"no architecture model for family {fam!r}")
 
 
+def check_arch(a: Arch) -> Arch:
+    """Sizes a step can be computed from: every count and tensor dim >= 1."""
+    for f in ("layers", "hidden", "vocab", "heads", "qk_dim", "v_dim", "kv_dim"):
+        v = getattr(a, f)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--model {a.name}: {f} = {v!r} must be >= 1; fix the model's config")
+    for g, ts in a.groups:
+        for n, s in ts:
+            if any(d < 1 for d in s):
+                raise ValueError(f"--model {a.name}: tensor {n} has shape {tuple(s)} with a zero dim; "
+                                 "fix the model's config (a size or count of 0)")
+    return a
+
+
 def resolve_model(spec: str) -> Arch:
     """A catalog id (``gpt-oss-120b``, ``deepseek-v3:fused``) or a path to a Hugging Face
     ``config.json`` (or the directory holding it)."""
@@ -120,5 +134,5 @@ def resolve_model(spec: str) -> Arch:
     if spec.endswith(".json") or p.is_dir():
         from .hf_config import load_hf_config
 
-        return arch_from_shapes(load_hf_config(p))
-    return arch_from_shapes(get_model(spec))
+        return check_arch(arch_from_shapes(load_hf_config(p)))
+    return check_arch(arch_from_shapes(get_model(spec)))

@@ -1,8 +1,8 @@
 """Collective cost: alpha-beta over the node topology, or a measured table.
 
 Ring all-gather / reduce-scatter of an output of ``B`` bytes over ``W`` ranks moves
-``(W-1)/W * B`` bytes through each rank's slowest link: NVLink inside a node, the per-GPU
-network across nodes. Latency: ring steps inside the node plus a tree (log2) across nodes,
+``(W-1)/W * B`` bytes through each rank's slowest link: NVLink inside a node; across nodes
+the node's NICs together (one ring channel per rail, see :func:`_bw_lat`). Latency: ring steps inside the node plus a tree (log2) across nodes,
 which is how NCCL keeps large-W latency bounded. A calibrated profile (CPU, gloo) instead
 interpolates the measured seconds per size at the calibration world size.
 """
@@ -36,15 +36,21 @@ def _measured(prof: GPUProfile, op: str, nbytes: float) -> float | None:
     return ys[i - 1] + f * (ys[i] - ys[i - 1])
 
 
-def _bw_lat(prof: GPUProfile, world: int, stride: int = 1) -> tuple[float, float]:
+def _bw_lat(prof: GPUProfile, world: int, stride: int = 1, ring: bool = True) -> tuple[float, float]:
     """Bandwidth and latency for a group of ``world`` ranks spaced ``stride`` apart (inner
-    mesh dims such as TP or EP take the ranks in between): it stays on NVLink only when the
-    whole group fits in one node."""
+    mesh dims such as TP or EP take the ranks in between): NVLink when the whole group fits
+    in one node. Across nodes a ring collective runs one channel per rail: each of the
+    group's ``k`` ranks in a node carries its share over its own NIC, so a rank's traffic
+    moves at ``k x net_bw`` (capped by NVLink). This is what nccl-tests measure: bus bandwidth
+    across nodes close to the node's aggregate NIC bandwidth (NVIDIA/nccl-tests#119: 85-96 GB/s
+    on A100 nodes with 4 x 200 Gb/s; NVIDIA/nccl#1218: ~200 GB/s all-gather on 256 H100 with
+    8 x 400 Gb/s per node). An all-to-all (``ring=False``) goes through each rank's own NIC."""
     gpn = max(1, prof.gpus_per_node // max(1, stride))
     if world <= gpn:
         return prof.nvlink_bw, prof.alpha_intra * (world - 1)
     nodes = math.ceil(world / gpn)
-    return prof.net_bw, prof.alpha_intra * (gpn - 1) + prof.alpha_inter * math.ceil(math.log2(nodes))
+    bw = min(prof.nvlink_bw, prof.net_bw * gpn) if ring else prof.net_bw
+    return bw, prof.alpha_intra * (gpn - 1) + prof.alpha_inter * math.ceil(math.log2(nodes))
 
 
 def collective_time(prof: GPUProfile, op: str, out_bytes: float, world: int, stride: int = 1) -> float:
@@ -76,5 +82,5 @@ def alltoall_time(prof: GPUProfile, nbytes: float, world: int) -> float:
     got = _measured(prof, "all_to_all", nbytes)
     if got is not None:
         return got
-    bw, lat = _bw_lat(prof, world)
+    bw, lat = _bw_lat(prof, world, ring=False)
     return lat + (world - 1) / world * nbytes / bw

@@ -15,28 +15,36 @@ from ..models.catalog import ModelShapes, model_from_config
 __all__ = ["load_hf_config", "hf_to_catalog"]
 
 
-def _get(c: dict, *keys, default=None):
+def _get(c: dict, *keys, default=None, minimum: int = 1):
+    """The first present key's value, a whole number >= ``minimum`` (sizes, counts)."""
     for k in keys:
         if k in c and c[k] is not None:
-            return c[k]
+            v = c[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                raise ValueError(f"config.json: {k} = {v!r} must be an integer >= {minimum}; fix the config")
+            return v
     if default is not None:
         return default
     raise ValueError(f"config.json has none of {keys}; cannot describe this model")
 
 
 def hf_to_catalog(c: dict) -> dict:
+    if not isinstance(c, dict):
+        raise ValueError(f"config.json must be a JSON object (a Hugging Face config), got a {type(c).__name__}")
     mt = str(c.get("model_type", "")).lower()
     archs = " ".join(c.get("architectures") or []).lower()
     h, heads = _get(c, "hidden_size"), _get(c, "num_attention_heads")
     base = dict(vocab=_get(c, "vocab_size"), hidden=h, layers=_get(c, "num_hidden_layers"), heads=heads,
                 tied_embeddings=bool(c.get("tie_word_embeddings", False)))
-    head_dim = c.get("head_dim") or h // heads
+    head_dim = _get(c, "head_dim") if c.get("head_dim") is not None else h // heads
+    if head_dim < 1:
+        raise ValueError(f"config.json: hidden_size {h} / num_attention_heads {heads} gives head_dim 0; set head_dim")
     kv = _get(c, "num_key_value_heads", default=heads)
     if mt in ("deepseek_v3", "kimi_k2", "deepseek_v2") or "deepseek" in archs:
-        return dict(base, family="deepseek", dense_layers=_get(c, "first_k_dense_replace", default=0),
+        return dict(base, family="deepseek", dense_layers=_get(c, "first_k_dense_replace", default=0, minimum=0) if c.get("first_k_dense_replace") else 0,
                     dense_intermediate=_get(c, "intermediate_size"),
                     moe_intermediate=_get(c, "moe_intermediate_size"),
-                    routed_experts=_get(c, "n_routed_experts"), shared_experts=_get(c, "n_shared_experts", default=0),
+                    routed_experts=_get(c, "n_routed_experts"), shared_experts=_get(c, "n_shared_experts", minimum=0) if c.get("n_shared_experts") else 0,
                     experts_per_token=_get(c, "num_experts_per_tok"), q_lora_rank=_get(c, "q_lora_rank"),
                     kv_lora_rank=_get(c, "kv_lora_rank"), qk_nope_head_dim=_get(c, "qk_nope_head_dim"),
                     qk_rope_head_dim=_get(c, "qk_rope_head_dim"), v_head_dim=_get(c, "v_head_dim"))
@@ -65,5 +73,8 @@ def load_hf_config(path: str | Path, variant: str | None = None) -> ModelShapes:
         raw = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"--model {path}: cannot read a config.json there ({e})") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"--model {path}: config.json must be a JSON object (a Hugging Face config), "
+                         f"got a {type(raw).__name__}")
     cfg = hf_to_catalog(raw.get("text_config", raw) if "hidden_size" not in raw else raw)
     return model_from_config(p.parent.name or p.stem, cfg, variant)

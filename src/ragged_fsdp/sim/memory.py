@@ -34,6 +34,8 @@ class MemoryInputs:
     backend: str = "nccl"
     reshard_after_forward: bool = True
     foreach_temp: bool = True  # foreach AdamW allocates one state-sized temporary (sqrt)
+    gather_cb: list[float] | None = None  # gathered bytes per element per group (float8 all-gather)
+    accumulate_grads: bool = False  # PP: unsharded gradients of every group live until the last microbatch
 
 
 @dataclass
@@ -78,17 +80,21 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
     phases: dict[str, dict] = {}
     root = m.root
 
+    gcb = m.gather_cb or [float(m.cb)] * n
+
     def gathered(i):
-        return sum(life.gathered(L[i], m.cb).values())
+        return sum(life.gathered(L[i], gcb[i]).values())
 
     def apart(i, nbytes):  # the separate embedding buffer's share (gathered or gradient)
         return L[i].shard_world * L[i].apart * nbytes if life.embedding_apart else 0
 
     def kept_gathered(i):  # after its forward: the embedding buffer is freed
-        return gathered(i) - apart(i, m.cb)
+        return gathered(i) - apart(i, gcb[i])
 
     def gather_temp(i):
-        return sum(life.gather_temp(L[i], m.cb).values())
+        return sum(life.gather_temp(L[i], gcb[i]).values())
+
+    all_grads = sum(sum(life.grads(g, m.rb, m.backend).values()) for g in L) if m.accumulate_grads else 0.0
 
     # forward: groups gathered in order (the root first); kept groups stay gathered
     order = ([root] if root is not None else []) + [i for i in range(n) if i != root]
@@ -99,10 +105,10 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         items["saved activations"] = acts
         if gather_temp(i):  # the copy-out instant: output buffer and unsharded params
             phases[f"unshard {L[i].name}"] = dict(items, **{f"gathered {L[i].name}": gathered(i)},
-                                                  **life.gather_temp(L[i], m.cb))
+                                                  **life.gather_temp(L[i], gcb[i]))
         items[f"gathered {L[i].name}"] = gathered(i)
         for j in order[pos + 1: pos + life.live_gathers]:  # prefetched, not yet waited on
-            items[f"prefetched {L[j].name}"] = life.pending_gather(L[j], m.cb)
+            items[f"prefetched {L[j].name}"] = life.pending_gather(L[j], gcb[j])
         items["block working activations"] = m.act_work
         phases[f"forward {L[i].name}"] = items
         acts += m.act_saved[i]
@@ -141,15 +147,18 @@ def step_memory(framework: str, m: MemoryInputs, largest_matrix: float = 0.0) ->
         if gather_temp(i) and m.reshard_after_forward and i not in kept:
             phases[f"unshard {g.name} (backward)"] = dict(
                 items, **{f"gathered {g.name}": gathered(i), "saved activations": acts,
-                          "sharded grads (reduced so far)": reduced}, **pending, **life.gather_temp(g, m.cb))
+                          "sharded grads (reduced so far)": reduced}, **pending, **life.gather_temp(g, gcb[i]))
         items[f"gathered {g.name}"] = gathered(i)
         if pos + 1 < len(back) and m.reshard_after_forward and back[pos + 1] not in kept:
             j = back[pos + 1]
-            items[f"prefetched {L[j].name}"] = life.pending_gather(L[j], m.cb)
+            items[f"prefetched {L[j].name}"] = life.pending_gather(L[j], gcb[j])
         items["saved activations"] = acts
         items["block working activations"] = m.act_work
         items.update(pending)
         items.update(life.grads(g, m.rb, m.backend))
+        if m.accumulate_grads:
+            items["unsharded grads of the stage's other groups (kept across microbatches)"] = \
+                all_grads - sum(life.grads(g, m.rb, m.backend).values())
         items["sharded grads (reduced so far)"] = reduced
         phases[f"backward {g.name}"] = items
         red = {k: v for k, v in items.items() if k != "block working activations"}

@@ -1,6 +1,8 @@
 """Mesh specs: ``dp=1024``, ``hsdp=RxS`` (R replicas of S-rank shard groups, the torch
 order ``("replicate", "shard")``), ``tp=8,dp=128``, ``ep=8,dp=128`` (experts split 8 ways and
-sharded over dp; everything else sharded over dp*ep, as torchtitan does), or ``auto``."""
+sharded over dp; everything else sharded over dp*ep, as torchtitan does), ``pp=8,...``
+(pipeline stages), ``cp=4,...`` (context parallel: the sequence split 4 ways; parameters are
+sharded over dp*cp, torchtitan's ``dp_shard_cp``), or ``auto``."""
 
 from __future__ import annotations
 
@@ -15,10 +17,17 @@ class Mesh:
     replicate: int = 1
     tp: int = 1
     ep: int = 1
+    pp: int = 1
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.dp * self.replicate * self.tp * self.ep
+        return self.dp * self.replicate * self.tp * self.ep * self.pp * self.cp
+
+    @property
+    def shard(self) -> int:
+        """Ranks a non-expert parameter is sharded over (FSDP's shard dim: dp, with CP folded in)."""
+        return self.dp * self.cp
 
     def __str__(self) -> str:
         parts = []
@@ -30,6 +39,10 @@ class Mesh:
             parts.insert(0, f"tp={self.tp}")
         if self.ep > 1:
             parts.insert(0, f"ep={self.ep}")
+        if self.cp > 1:
+            parts.insert(0, f"cp={self.cp}")
+        if self.pp > 1:
+            parts.insert(0, f"pp={self.pp}")
         return ",".join(parts)
 
 
@@ -45,11 +58,11 @@ def parse_mesh(spec: str | None, gpus: int) -> Mesh | None:
         return Mesh(gpus)
     if spec.strip() == "auto":
         return None
-    dp = rep = tp = ep = None
+    dp = rep = tp = ep = pp = cp = None
     for part in spec.split(","):
         key, sep, val = part.strip().partition("=")
         if not sep:
-            raise ValueError(f"--mesh part {part!r}: expected key=value (dp=, hsdp=RxS, tp=, ep=) or auto")
+            raise ValueError(f"--mesh part {part!r}: expected key=value (dp=, hsdp=RxS, tp=, ep=, pp=, cp=) or auto")
         if key == "dp":
             dp = _int(val, "dp")
         elif key == "hsdp":
@@ -61,14 +74,19 @@ def parse_mesh(spec: str | None, gpus: int) -> Mesh | None:
             tp = _int(val, "tp")
         elif key == "ep":
             ep = _int(val, "ep")
+        elif key == "pp":
+            pp = _int(val, "pp")
+        elif key == "cp":
+            cp = _int(val, "cp")
         else:
-            raise ValueError(f"--mesh key {key!r} is not one of dp, hsdp, tp, ep")
-    rep, tp, ep = rep or 1, tp or 1, ep or 1
+            raise ValueError(f"--mesh key {key!r} is not one of dp, hsdp, tp, ep, pp, cp")
+    rep, tp, ep, pp, cp = rep or 1, tp or 1, ep or 1, pp or 1, cp or 1
+    rest = rep * tp * ep * pp * cp
     if dp is None:
-        if gpus % (rep * tp * ep):
-            raise ValueError(f"--mesh {spec}: {gpus} GPUs are not a multiple of {rep * tp * ep}")
-        dp = gpus // (rep * tp * ep)
-    mesh = Mesh(dp, rep, tp, ep)
+        if gpus % rest:
+            raise ValueError(f"--mesh {spec}: {gpus} GPUs are not a multiple of {rest}")
+        dp = gpus // rest
+    mesh = Mesh(dp, rep, tp, ep, pp, cp)
     if mesh.gpus != gpus:
         raise ValueError(f"--mesh {spec} uses {mesh.gpus} GPUs but --gpus is {gpus}; make them agree")
     return mesh

@@ -10,16 +10,26 @@ NVLink 900 GB/s per GPU (450 each way), 8 GPUs per HGX node, 400 Gb/s ConnectX-7
 H200 SXM: same compute and links, 141 GB HBM3e at 4.8 TB/s. A100 SXM4 80 GB: 312 TFLOP/s
 dense bf16, 2.04 TB/s, NVLink 600 GB/s (300 each way), 200 Gb/s HDR per GPU in DGX A100.
 B200 (HGX B200): 2.25 PFLOP/s dense bf16, 180 GB HBM3e at 7.7 TB/s, NVLink 5 at 1.8 TB/s
-(900 each way), 400 Gb/s per GPU.
+(900 each way), 400 Gb/s per GPU. ``h100-gt``: the H100 of Meta's Grand Teton hosts that
+torchtitan's published benchmarks ran on (their "Hardware" section): 96 GB HBM2e at
+2.4 TB/s, 500 W, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU.
+
+Bandwidth profile per GPU type (what the collectives and the per-phase overlap use):
+``nvlink_bw`` one way per GPU inside a node, ``net_bw`` one way per GPU across nodes, ring
+latency ``alpha_intra`` per step inside a node and ``alpha_inter`` per tree level across
+nodes (NCCL's orders of magnitude; not measured here). H100 / H200 / h100-gt: 450 GB/s and
+50 GB/s (NVLink 4, ConnectX-7 400 Gb/s); A100: 300 GB/s and 25 GB/s (NVLink 3, HDR 200 Gb/s
+of a DGX A100); B200: 900 GB/s and 50 GB/s.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+import math
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-__all__ = ["GPUProfile", "PROFILES", "get_profile", "load_profile"]
+__all__ = ["GPUProfile", "PROFILES", "get_profile", "load_profile", "validate_profile"]
 
 GB = 1e9
 GiB = 2**30
@@ -45,37 +55,85 @@ class GPUProfile:
     calibrated_world: int = 0
     alpha_beta: dict | None = None  # {op: [alpha seconds, beta bytes/s]} fitted on `collectives`
     fp32_flops: float = 0.0  # CPU profile: fp32 matmul throughput (0: use flops)
+    # the CUDA caching allocator's reserve over the peak allocated, as a fraction (what
+    # torch.cuda.max_memory_reserved adds to max_memory_allocated: fragmentation, cached blocks)
+    alloc_reserve: float = 0.0
 
     def with_overrides(self, **kw) -> "GPUProfile":
         known = {f.name for f in fields(self)}
         bad = sorted(k for k in kw if k not in known)
         if bad:
             raise ValueError(f"unknown GPU profile field(s) {bad}; known: {sorted(known)}")
-        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+        return validate_profile(replace(self, **{k: v for k, v in kw.items() if v is not None}))
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-# efficiency: fitted on one published torchtitan FSDP2 point per GPU (sim/published.py):
-# H100 on Llama 3.1 8B (8 GPUs), A100 on Llama 3 8B (64 GPUs). H200 shares H100's compute;
+# efficiency: fitted on one published torchtitan FSDP2 point per GPU (sim/fitted.py): H100
+# on Llama 3.1 8B (8 GPUs), A100 on Llama 3 8B (64 GPUs). H200 shares H100's compute;
 # B200 has no published point here, so it borrows H100's factor (unvalidated).
-EFF_H100, EFF_A100 = 0.40, 0.71
+from .fitted import ALLOCATOR_RESERVE, EFFICIENCY
+
+EFF_H100, EFF_A100 = EFFICIENCY["h100"], EFFICIENCY["a100"]
+_R = {"alloc_reserve": ALLOCATOR_RESERVE}
 
 PROFILES: dict[str, GPUProfile] = {
-    "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100),
-    "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100),
-    "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100),
-    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_H100),
+    "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    "h100-gt": GPUProfile("h100-gt", 96 * GB, 989e12, 2.4e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100, **_R),
+    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
 }
 
 
+# field -> (lowest, highest, lowest allowed itself); every other numeric field: finite > 0
+_RANGES = {"efficiency": (0.0, 1.0, False), "overlap": (0.0, 1.0, True), "reserved_bytes": (0.0, math.inf, True),
+           "op_overhead": (0.0, math.inf, True), "alpha_intra": (0.0, math.inf, True),
+           "alpha_inter": (0.0, math.inf, True), "fp32_flops": (0.0, math.inf, True),
+           "calibrated_world": (0.0, math.inf, True), "alloc_reserve": (0.0, 10.0, True)}
+_OPTIONAL = {"collectives", "alpha_beta"}
+
+
+def validate_profile(prof: GPUProfile, where: str = "GPU profile") -> GPUProfile:
+    """Every number finite and in range (efficiency in (0, 1], overlap in [0, 1], the rest
+    > 0), ``gpus_per_node`` a positive int; else a ValueError naming the field."""
+    for f in fields(prof):
+        v = getattr(prof, f.name)
+        if f.name == "name":
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"{where}: name must be a non-empty string (got {v!r})")
+            continue
+        if f.name in _OPTIONAL:
+            if v is not None and not isinstance(v, dict):
+                raise ValueError(f"{where}: {f.name} must be an object {{op: ...}} or null (got {type(v).__name__})")
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{where}: {f.name} must be a finite number (got {v!r})")
+        lo, hi, closed = _RANGES.get(f.name, (0.0, math.inf, False))
+        if not ((v >= lo if closed else v > lo) and v <= hi):
+            raise ValueError(f"{where}: {f.name} = {v!r} is out of range: must be "
+                             f"{'>=' if closed else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else ""))
+        if f.name == "gpus_per_node" and int(v) != v:
+            raise ValueError(f"{where}: gpus_per_node must be a whole number (got {v!r})")
+    return prof
+
+
 def load_profile(path: str | Path) -> GPUProfile:
-    data = json.loads(Path(path).read_text())
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--gpu {path}: cannot read a profile JSON there ({e})") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a profile JSON object")
+        raise ValueError(f"--gpu {path}: a profile is a JSON object of GPUProfile fields, got a "
+                         f"{type(data).__name__}; write one with `simulate --calibrate`")
     known = {f.name for f in fields(GPUProfile)}
-    return GPUProfile(**{k: v for k, v in data.items() if k in known})
+    required = {f.name for f in fields(GPUProfile) if f.default is MISSING}
+    missing = sorted(required - set(data))
+    if missing:
+        raise ValueError(f"--gpu {path}: profile lacks {missing}; required: {sorted(required)}")
+    prof = GPUProfile(**{k: v for k, v in data.items() if k in known})
+    return validate_profile(prof, f"--gpu {path}")
 
 
 def get_profile(name: str) -> GPUProfile:
@@ -83,7 +141,7 @@ def get_profile(name: str) -> GPUProfile:
     key = name.lower()
     if key in PROFILES:
         return PROFILES[key]
-    if Path(name).suffix == ".json" and Path(name).exists():
+    if Path(name).suffix == ".json":
         return load_profile(name)
     raise ValueError(f"unknown GPU profile {name!r}; known: {', '.join(PROFILES)} or a profile "
                      "JSON written by `simulate --calibrate`")

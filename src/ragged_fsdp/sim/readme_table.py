@@ -44,7 +44,46 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+# the meshes --mesh auto picks for ragged_fsdp at 1,024 H100s (the table above)
+BREAKDOWN_CASES = (("llama3-70b", "dp=1024"), ("gpt-oss-120b", "ep=64,dp=16"), ("deepseek-v3", "ep=32,dp=32"),
+                   ("kimi-k2", "ep=64,dp=16"))
+
+
+def breakdown_rows(gpus: int = 1024, seq: int = 8192) -> list[dict]:
+    """FSDP2 vs ragged_fsdp on one mesh per model, the difference by cause."""
+    from .mesh import parse_mesh
+    from .simulate import simulate
+
+    rows = []
+    for model, mesh in BREAKDOWN_CASES:
+        sc = Scenario(model, gpus, get_profile("h100"), parse_mesh(mesh, gpus), "adamw", "bf16", seq, 1, "full", "auto")
+        r = {x.framework: x for x in simulate(sc, ("ragged", "fsdp2"))}
+        rows.append({"model": model, "mesh": mesh, "gpus": gpus, "seq": seq,
+                     "ragged": {"tokens_per_s": r["ragged"].tokens_per_s_per_gpu, "memory_gib": r["ragged"].memory_bytes / GiB},
+                     "fsdp2": {"tokens_per_s": r["fsdp2"].tokens_per_s_per_gpu, "memory_gib": r["fsdp2"].memory_bytes / GiB},
+                     "fsdp2_vs_ragged": r["fsdp2"].vs_ragged})
+    return rows
+
+
+def breakdown_markdown(rows) -> str:
+    lines = ["| model, mesh | ragged tok/s, GiB | FSDP2 tok/s, GiB | FSDP2 step vs ragged, by cause | "
+             "FSDP2 memory vs ragged, by cause (GiB) |", "|---|---|---|---|---|"]
+    for r in rows:
+        d = r["fsdp2_vs_ragged"]
+        t = "; ".join(f"{k} {v:+.1%}" for k, v in d["step_frac"].items() if abs(v) >= 5e-4) or "same"
+        m = "; ".join(f"{k} {v / GiB:+.2f}" for k, v in d["memory_bytes"].items() if abs(v) >= GiB / 100) or "same"
+        lines.append(f"| {r['model']}, {r['mesh']} | {r['ragged']['tokens_per_s']:,.0f}, {r['ragged']['memory_gib']:.1f} | "
+                     f"{r['fsdp2']['tokens_per_s']:,.0f}, {r['fsdp2']['memory_gib']:.1f} | {t} | {m} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--breakdown"]:
+    rows = breakdown_rows()
+    out = sys.argv[2] if len(sys.argv) > 2 else "docs/data/sim_breakdown.json"
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(breakdown_markdown(rows))
+elif __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "out/sim/readme_table.jsonl"
     rows = main()
     with open(out, "w") as f:

@@ -9,17 +9,22 @@ __all__ = ["format_table", "sweep", "format_sweep", "plot_sweep", "ASSUMPTIONS"]
 GiB = 2**30
 
 ASSUMPTIONS = [
-    "parameters, gradients and optimizer states fp32; compute (all-gather) in --dtype; reduce-scatter in fp32",
+    "parameters, gradients and optimizer states fp32; compute (all-gather) in --dtype (block linears in float8 "
+    "with --float8-allgather); reduce-scatter in fp32",
     "one FSDP group per transformer block, the embedding alone, final norm + head together and not resharded "
-    "after forward (torchtitan's wrapping); all-gathers prefetched one group ahead",
-    "compute = model flops (6 x active params + attention) x recompute / (peak flops x efficiency)",
+    "after forward (torchtitan's wrapping); all-gathers prefetched one group ahead; under PP a stage stays "
+    "unsharded across its microbatches and reduces after the last",
+    "compute per group: matmuls at peak x efficiency (block linears x the float8 speed-up, non-attention work "
+    "x the compile speed-up), causal flash attention at the fitted attention rate; constants in sim/fitted.py",
     "collectives: ring bandwidth term over the slowest link (NVLink inside a node, the per-GPU NIC across "
-    "nodes) plus ring latency inside a node and tree latency across nodes; overlapped one group ahead",
+    "nodes) plus ring latency inside a node and tree latency across nodes; overlapped per phase one group ahead",
+    "TP: 2 all-gathers + 2 reduce-scatters of the activations per block and pass, exposed (vanilla) or under "
+    "the matmuls (async); CP: K/V ring under each attention chunk; PP: the schedule's bubble",
     "copy-out / copy-in at memory bandwidth on the compute stream; optimizer memory-bound",
-    "activations: per-block saved tensors counted from the architecture (flash attention, no S^2 term); "
-    "full checkpointing keeps each block's input, selective keeps every other block",
-    "memory adds a fixed reserve (profile reserved_bytes) for the CUDA context, NCCL and allocator slack; "
-    "fragmentation is not modelled",
+    "activations: per-block saved tensors counted from the architecture and the AC policy (flash attention, no "
+    "S^2 term), divided by TP and CP; loss 12 bytes per logit (MemTracker: 11.7)",
+    "memory: peak allocated x (1 + the fitted allocator reserve) + a fixed reserve (profile reserved_bytes) for "
+    "the CUDA context and NCCL",
     "ragged_fsdp's granularity follows the optimizer: element for adamw and muon (Muon's owners get the "
     "pieces by all-to-all; --granularity matrix keeps matrices whole instead), block:256 for adamw8bit; "
     "other frameworks ignore structure",
@@ -47,7 +52,7 @@ def format_table(results, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def _gpu_range(spec: str) -> list[int]:
+def gpu_range(spec: str) -> list[int]:
     key, sep, val = spec.partition("=")
     if key != "gpus" or not sep:
         raise ValueError(f"--sweep {spec!r}: expected gpus=LO..HI (powers of two), e.g. gpus=64..16384")
@@ -67,7 +72,7 @@ def sweep(sc: Scenario, spec: str, frameworks=FRAMEWORKS, mesh_fn=None):
     from .arch import resolve_model
 
     arch = resolve_model(sc.model)
-    gpus = _gpu_range(spec)
+    gpus = gpu_range(spec)
     weak, strong = {}, {}
     global_seqs = sc.micro_batch * gpus[0]
     for g in gpus:

@@ -10,12 +10,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from . import fitted
 from .arch import Arch, resolve_model
+from .breakdown import breakdown
 from .buffers import DIFFERENCES
-from .layout import GroupLayout, group_layouts
+from .compute import compute_times, group_flops, is_fp8_linear, op_sac
+from .context import ring_exposed
+from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
+from .options import AC_MODES, MAX_GPUS, Recipe
+from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
+from .tensor_parallel import tp_block_comm
 from .timing import TimeInputs, newton_schulz_flops, step_time
 
 __all__ = ["Scenario", "FrameworkResult", "simulate", "simulate_auto", "FRAMEWORKS", "VALIDATED",
@@ -32,7 +39,11 @@ VALIDATED = {"ragged": "validated", "fsdp2": "validated", "fsdp1": "unvalidated"
 # large W costs more padding than it saves.
 DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": None}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-AC_MODES = ("none", "selective", "full")
+# torchao BlockFP8-style all-gather of ragged_fsdp: 1-byte codes + one fp32 scale per 128x128 tile
+BLOCK_FP8_BYTES = 1 + 4 / (128 * 128)
+# bytes per logit element at the loss: bf16 logits, their fp32 copy, log-softmax output and
+# its gradient; MemTracker measured 11.7 here (bf16, N=2048, V=8192, torch 2.13 CPU)
+LOSS_BYTES_PER_LOGIT = 12
 
 
 @dataclass
@@ -48,6 +59,7 @@ class Scenario:
     act_ckpt: str = "full"
     granularity: str | None = "auto"
     reshard_after_forward: bool = True
+    recipe: Recipe = field(default_factory=Recipe)
 
 
 @dataclass
@@ -68,27 +80,12 @@ class FrameworkResult:
     tokens_per_s_per_gpu: float
     time_parts: dict
     differences: list = field(default_factory=list)
+    comm_phases: dict = field(default_factory=dict)
+    peak_stage: int = 0
+    vs_ragged: dict = field(default_factory=dict)  # the difference from ragged_fsdp by cause
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
-
-
-def _group_flops(arch: Arch, name: str, tensors, tokens: int, seq: int) -> float:
-    """Forward matmul flops of one group for ``tokens`` tokens (full model, before TP)."""
-    if name.startswith("embed"):
-        return 0.0
-    frac = arch.top_k / arch.experts if arch.experts else 1.0
-    flops = 0.0
-    for n, s in tensors:
-        if len(s) < 2 or "embed_tokens" in n:
-            continue
-        el = math.prod(s)
-        if ".experts." in n and "shared_expert" not in n:
-            el *= frac
-        flops += 2.0 * el * tokens
-    if name.startswith("layers"):
-        flops += 2.0 * arch.heads * seq * (arch.qk_dim + arch.v_dim) * tokens
-    return flops
 
 
 def _matrices(arch: Arch):
@@ -105,102 +102,184 @@ def _matrices(arch: Arch):
                 yield s[0], math.prod(s[1:])
 
 
-def _activations(arch: Arch, sc: Scenario, cb: int, n_groups: list[str]) -> tuple[list[float], float, float]:
-    tokens = sc.micro_batch * sc.seq / sc.mesh.tp  # sequence parallel splits activations over TP
-    saved, work = [], 0.0
-    layer_idx = 0
-    for name in n_groups:
-        if not name.startswith("layers") or name.endswith(".experts"):
-            saved.append(0.0)
+def _stages(arch: Arch, pp: int) -> list[tuple[int, list]]:
+    """(stage index, its groups) for each distinct stage: the first (embedding), the last
+    (norm + head) and one of each middle size; all stages when pp == 1 is one stage."""
+    if pp == 1:
+        return [(0, arch.groups)]
+    layers = [g for g in arch.groups if g[0].startswith("layers")]
+    pre = [g for g in arch.groups[:1] if not g[0].startswith("layers")]
+    post = [g for g in arch.groups[1:] if not g[0].startswith("layers")]
+    sizes = stage_layers(len(layers), pp)
+    out, seen, start = [], set(), 0
+    for s, k in enumerate(sizes):
+        key = (s == 0, s == pp - 1, k)
+        chunk = layers[start:start + k]
+        start += k
+        if key in seen:
             continue
-        moe = arch.moe_layers and layer_idx >= arch.layers - arch.moe_layers
-        full = arch.layer_act_elems(bool(moe)) * tokens * cb
-        work = max(work, full)
-        if sc.act_ckpt == "none":
-            saved.append(full)
-        elif sc.act_ckpt == "full":
-            saved.append(arch.hidden * tokens * cb)
-        else:  # selective: every other block checkpointed (torchtitan's layer SAC, freq 2)
-            saved.append(full if layer_idx % 2 else arch.hidden * tokens * cb)
-        layer_idx += 1
-    # bf16 logits, their fp32 copy for the loss, and the fp32 gradient of the logits
-    loss = sc.micro_batch * sc.seq * arch.vocab / sc.mesh.tp * (cb + 4 + 4)
-    return saved, work, loss  # work: one block's full activations (backward / recompute)
+        seen.add(key)
+        out.append((s, (pre if s == 0 else []) + chunk + (post if s == pp - 1 else [])))
+    return out
 
 
-def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> list[FrameworkResult]:
-    arch = arch or resolve_model(sc.model)
+def _saved_per_token(arch: Arch, tensors, moe: bool, mode: str, layer_idx: int) -> float:
+    """Elements one block saves for backward per token under ``mode``."""
+    full = arch.layer_act_elems(moe)
+    if mode == "none":
+        return full
+    if mode == "full":
+        return float(arch.hidden)
+    if mode == "selective":  # torchtitan's per-layer SAC: every 2nd block checkpointed
+        return full if layer_idx % 2 else float(arch.hidden)
+    # per-op SAC: the block input, every other matmul output, attention output and its
+    # fp32 log-sum-exp (counted in compute-dtype elements: 2 per head)
+    saved, _, _ = op_sac(tensors, arch.top_k / arch.experts if arch.experts else 1.0)
+    return arch.hidden + saved + arch.heads * arch.v_dim + 2 * arch.heads
+
+
+def _fp8_fraction(tensors) -> float:
+    tot = sum(math.prod(s) for _, s in tensors)
+    return sum(math.prod(s) for n, s in tensors if is_fp8_linear(n, s)) / tot if tot else 0.0
+
+
+def check_scenario(sc: Scenario, arch: Arch) -> None:
     if sc.act_ckpt not in AC_MODES:
         raise ValueError(f"--act-ckpt {sc.act_ckpt!r}: choose one of {', '.join(AC_MODES)}")
     if sc.dtype not in DTYPE_BYTES:
         raise ValueError(f"--dtype {sc.dtype!r}: choose one of {', '.join(DTYPE_BYTES)}")
+    if not 1 <= sc.gpus <= MAX_GPUS:
+        raise ValueError(f"--gpus {sc.gpus}: must be between 1 and {MAX_GPUS:,} (as `plan`)")
+    if sc.mesh.gpus != sc.gpus:
+        raise ValueError(f"--mesh {sc.mesh} uses {sc.mesh.gpus} GPUs but --gpus is {sc.gpus}; make them agree")
     if sc.mesh.ep > 1 and not arch.experts:
         raise ValueError(f"--mesh {sc.mesh}: ep needs an MoE model; {arch.name} is dense")
+    if sc.mesh.cp > 1 and sc.seq % (2 * sc.mesh.cp):
+        raise ValueError(f"--mesh cp={sc.mesh.cp}: --seq {sc.seq} must be a multiple of 2 x cp = "
+                         f"{2 * sc.mesh.cp} (load-balanced causal sharding cuts it into 2 x cp chunks)")
+    if sc.mesh.tp > 1 and arch.heads % sc.mesh.tp:
+        raise ValueError(f"--mesh tp={sc.mesh.tp}: {arch.name} has {arch.heads} heads, not divisible by tp")
+    sc.recipe.check(sc.mesh.tp, sc.mesh.pp, sc.micro_batch)
+    if sc.mesh.pp > 1:
+        stage_layers(arch.layers, sc.mesh.pp)
+
+
+def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m_count: int, ctx: dict):
+    """(memory result, time result, layouts) of one pipeline stage (the whole model without PP)."""
+    mesh, prof, rc = sc.mesh, sc.profile, sc.recipe
     cb, pb, rb, gb = DTYPE_BYTES[sc.dtype], 4, 4, 4
+    pp = mesh.pp
+    L: list[GroupLayout] = group_layouts(groups, fw, mesh.shard, mesh.tp, mesh.ep, itemsize=pb,
+                                         granularity=gran if fw == "ragged" else None)
+    split = split_for_mesh(groups, 1, mesh.ep)  # full (pre-TP) tensors of each layout group
+    assert [g.name for g in L] == [n for n, _, _ in split]
+    mb_seqs = sc.micro_batch / m_count
+    tokens = mb_seqs * sc.seq / mesh.cp  # per rank and microbatch, before TP
+    first_layer = ctx["first_layer"][stage]
+    saved, comp_f, comp_b, gcb = [], [], [], []
+    work = tp_exp = tp_tot = cp_exp = cp_tot = 0.0
+    layer_idx = first_layer
+    fp8_gather = 1.0 if fw == "fsdp2" else BLOCK_FP8_BYTES if fw == "ragged" else None
+    for (name, tensors, is_exp), g in zip(split, L):
+        is_layer = name.startswith("layers")
+        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp)
+        f, b = compute_times(gf, prof, rc, sc.act_ckpt if is_layer else "none", mesh.tp, fp32=(cb == 4))
+        comp_f.append(f)
+        comp_b.append(b)
+        frac = _fp8_fraction(tensors) if rc.float8_allgather and fp8_gather else 0.0
+        gcb.append(cb * (1 - frac) + (fp8_gather or cb) * frac)
+        if not is_layer or is_exp:
+            saved.append(0.0)
+            continue
+        moe = bool(arch.moe_layers) and layer_idx >= arch.layers - arch.moe_layers
+        per_tok = _saved_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx)
+        saved.append(per_tok * tokens / mesh.tp * cb)
+        work = max(work, arch.layer_act_elems(moe) * tokens / mesh.tp * cb)
+        mm_f = f - gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
+        e, t = tp_block_comm(prof, mesh.tp, 1, tokens, arch.hidden, cb, 1.0 if rc.float8 == "tensorwise" else cb,
+                             sc.act_ckpt, rc.async_tp, mm_f)
+        tp_exp, tp_tot = tp_exp + e, tp_tot + t
+        att_f = gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
+        e, t = ring_exposed(prof, mesh.cp, mesh.tp, arch.kv_dim // mesh.tp if arch.kv_dim >= mesh.tp else 1,
+                            tokens, cb, att_f, sc.act_ckpt == "full")
+        cp_exp, cp_tot = cp_exp + e, cp_tot + t
+        layer_idx += 1
+    has_head = stage == pp - 1
+    held = in_flight(rc.pp_schedule, pp, rc.pp_virtual, stage, m_count)
+    if pp > 1:
+        saved = [x * held for x in saved]
+    loss = tokens * arch.vocab / mesh.tp * (LOSS_BYTES_PER_LOGIT - 2 + cb) if has_head else 0.0
+    kept = {len(L) - 1} if has_head else set()  # norm + head: not resharded after forward (torchtitan)
+    reshard = sc.reshard_after_forward and pp == 1  # torchtitan keeps PP stages unsharded across microbatches
+    mi = MemoryInputs(layouts=L, kept=kept, root=None, act_saved=saved, act_work=work, loss_bytes=loss,
+                      pb=pb, cb=cb, rb=rb, gb=gb, optimizer=sc.optimizer, matrix_frac=ctx["matrix_frac"],
+                      backend="nccl", reshard_after_forward=reshard, gather_cb=gcb, accumulate_grads=pp > 1)
+    mem = step_memory(fw, mi, largest_matrix=ctx["largest"])
+    opt_elems = sum(g.segment + g.persistent for g in L)
+    moe_here = sum(1 for n, _, e in split if n.startswith("layers") and not e and arch.moe_layers
+                   and int(n.split(".")[1]) >= arch.layers - arch.moe_layers)
+    ep_bytes = 4 * tokens * arch.top_k * arch.hidden * cb * moe_here if mesh.ep > 1 else 0.0
+    ns_a2a = 0.0
+    if sc.optimizer == "muon" and fw == "ragged":
+        # one owner per matrix, flops balanced; pieces travel to owners and back (all-to-all)
+        # unless the layout keeps matrices whole
+        ns_world, ns_gather = mesh.shard * mesh.ep, 0.0
+        ns_a2a = 0.0 if gran == "matrix" else 2 * 4.0 * sum(g.segment for g in L)
+    else:  # torch.optim.Muon on sharded params: every rank assembles and orthogonalises all
+        ns_world, ns_gather = 1, ctx["matrix_elems"] * 4 / mesh.tp / pp
+    p2p = 0.0
+    if pp > 1:
+        inner = mesh.gpus // pp
+        bw, lat = (prof.nvlink_bw, prof.alpha_intra) if inner < prof.gpus_per_node else (prof.net_bw, prof.alpha_inter)
+        p2p = 2 * (pp - 1) * (lat + tokens * arch.hidden * cb / mesh.tp / bw)
+    ti = TimeInputs(layouts=L, comp_f=comp_f, comp_b=comp_b, cb=cb, rb=rb, replicate=mesh.replicate,
+                    kept=kept, reshard_after_forward=reshard, opt_elems=opt_elems,
+                    optimizer=sc.optimizer, ns_flops=ctx["ns_total"] / mesh.tp / pp, ns_world=ns_world,
+                    ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep,
+                    tp_exposed=tp_exp, tp_total=tp_tot, cp_exposed=cp_exp, cp_total=cp_tot, gather_cb=gcb,
+                    microbatches=m_count, bubble=bubble(rc.pp_schedule, pp, rc.pp_virtual), p2p_fill=p2p)
+    return mem, step_time(fw, prof, ti), L
+
+
+def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> list[FrameworkResult]:
+    arch = arch or resolve_model(sc.model)
+    check_scenario(sc, arch)
     gran = DEFAULT_GRANULARITY[sc.optimizer] if sc.granularity == "auto" else sc.granularity
     mesh, prof = sc.mesh, sc.profile
-    tokens = sc.micro_batch * sc.seq
-    model_flops = arch.flops_per_token(sc.seq) * tokens  # per dp replica (shared by its TP group)
-    orig = {name: tensors for name, tensors in arch.groups}
+    m_count = sc.recipe.n_microbatches(sc.micro_batch) if mesh.pp > 1 else 1
     matrices = list(_matrices(arch)) if sc.optimizer == "muon" else []
-    ns_total = sum(newton_schulz_flops(a, b) for a, b in matrices)
-    largest = max((a * b for a, b in matrices), default=0)
-    matrix_elems = sum(a * b for a, b in matrices)
-    results = []
+    stages = _stages(arch, mesh.pp)
+    sizes = stage_layers(arch.layers, mesh.pp) if mesh.pp > 1 else [arch.layers]
+    ctx = {"ns_total": sum(newton_schulz_flops(a, b) for a, b in matrices),
+           "largest": max((a * b for a, b in matrices), default=0),
+           "matrix_elems": sum(a * b for a, b in matrices), "attn_rate": fitted.ATTENTION_RATE,
+           "first_layer": [sum(sizes[:s]) for s in range(len(sizes))]}
+    ctx["matrix_frac"] = ctx["matrix_elems"] / max(1, arch.params)
     for fw in frameworks:
         if fw not in FRAMEWORKS:
             raise ValueError(f"--frameworks: unknown {fw!r}; known: {', '.join(FRAMEWORKS)}")
-        L: list[GroupLayout] = group_layouts(arch.groups, fw, mesh.dp, mesh.tp, mesh.ep, itemsize=pb,
-                                             granularity=gran if fw == "ragged" else None)
-        names = [g.name for g in L]
-        saved, work, loss = _activations(arch, sc, cb, names)
-        kept = {len(L) - 1}  # norm + head: not resharded after forward (torchtitan)
-        mi = MemoryInputs(layouts=L, kept=kept, root=None, act_saved=saved, act_work=work, loss_bytes=loss,
-                          pb=pb, cb=cb, rb=rb, gb=gb, optimizer=sc.optimizer,
-                          matrix_frac=matrix_elems / max(1, arch.params), backend="nccl",
-                          reshard_after_forward=sc.reshard_after_forward)
-        mem = step_memory(fw, mi, largest_matrix=largest)
-        peak = mem.peak + prof.reserved_bytes
-        fwd = []
-        for g in L:
-            base = g.name[:-len(".experts")] if g.name.endswith(".experts") else g.name
-            tensors = orig[base]
-            if mesh.ep > 1 and arch.experts:
-                is_exp = [(n, s) for n, s in tensors if ".experts." in n and "shared_expert" not in n]
-                part = is_exp if g.name.endswith(".experts") else [t for t in tensors if t not in is_exp]
-                f = _group_flops(arch, base if not g.name.endswith(".experts") else "experts", part, tokens, sc.seq)
-            else:
-                f = _group_flops(arch, g.name, tensors, tokens, sc.seq)
-            fwd.append(f / mesh.tp)
-        recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[sc.act_ckpt]
-        opt_elems = sum(g.segment + g.persistent for g in L)
-        ep_bytes = 4 * tokens * arch.top_k * arch.hidden * cb * arch.moe_layers if mesh.ep > 1 else 0.0
-        tp_bytes = 8 * tokens * arch.hidden * cb * arch.layers if mesh.tp > 1 else 0.0
-        ns_a2a = 0.0
-        if sc.optimizer == "muon" and fw == "ragged":
-            # one owner per matrix, flops balanced; pieces travel to owners and back (all-to-all)
-            # unless the layout keeps matrices whole
-            ns_world, ns_gather = mesh.dp * mesh.ep, 0.0
-            ns_a2a = 0.0 if gran == "matrix" else 2 * 4.0 * sum(g.segment for g in L)
-        else:  # torch.optim.Muon on sharded params: every rank assembles and orthogonalises all
-            ns_world, ns_gather = 1, matrix_elems * 4 / mesh.tp
-        ti = TimeInputs(layouts=L, fwd_flops=fwd, recompute=recompute, cb=cb, rb=rb, replicate=mesh.replicate,
-                        kept=kept, reshard_after_forward=sc.reshard_after_forward, opt_elems=opt_elems,
-                        optimizer=sc.optimizer, ns_flops=ns_total / mesh.tp, ns_world=ns_world,
-                        ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep, tp_bytes=tp_bytes,
-                        tp_world=mesh.tp)
-        tr = step_time(fw, prof, ti)
-        per_gpu_model_flops = model_flops / mesh.tp
-        mfu = per_gpu_model_flops / tr.step / prof.flops
-        tps = tokens / mesh.tp / tr.step
-        used = sum(g.numel * g.count for g in L)
-        held = sum((g.segment + g.persistent) * g.shard_world for g in L)
+    results = []
+    for fw in frameworks:
+        per_stage = [(s, *_stage_result(fw, sc, arch, s, groups, gran, m_count, ctx)) for s, groups in stages]
+        s_mem, mem, _, L_mem = max(per_stage, key=lambda x: x[1].peak)
+        s_time, _, tr, _ = max(per_stage, key=lambda x: x[2].step)
+        peak = mem.peak * (1 + prof.alloc_reserve) + prof.reserved_bytes
+        L_all = [g for _, _, _, L in per_stage for g in L]
+        used = sum(g.numel * g.count for g in L_all)
+        held = sum((g.segment + g.persistent) * g.shard_world for g in L_all)
+        tokens_gpu = sc.micro_batch * sc.seq / (mesh.tp * mesh.pp * mesh.cp)  # per GPU per step
+        mfu = tokens_gpu * arch.flops_per_token(sc.seq) / tr.step / prof.flops
         results.append(FrameworkResult(
             framework=fw, status=VALIDATED[fw], mesh=str(mesh), memory_bytes=peak, fits=peak <= prof.hbm_bytes,
-            peak_phase=mem.peak_phase, memory_items=mem.items, sharded_params=mem.sharded_params,
-            sharded_grads=mem.sharded_grads, optimizer_states=mem.optimizer_states,
-            padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tps,
-            time_parts=tr.parts, differences=DIFFERENCES[fw]))
+            peak_phase=mem.peak_phase + (f" (stage {s_mem})" if mesh.pp > 1 else ""), memory_items=mem.items,
+            sharded_params=mem.sharded_params, sharded_grads=mem.sharded_grads, optimizer_states=mem.optimizer_states,
+            padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
+            time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem))
+    base = next((r for r in results if r.framework == "ragged"), None)
+    if base is not None:
+        for r in results:
+            if r is not base:
+                r.vs_ragged = breakdown(base, r)
     return results
 
 
@@ -210,14 +289,23 @@ def simulate_auto(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None)
     arch = arch or resolve_model(sc.model)
     best: dict[str, tuple] = {}
     tried: dict[str, list] = {fw: [] for fw in frameworks}
+    refused = []
     for mesh in candidate_meshes(sc.gpus, bool(arch.experts), sc.profile.gpus_per_node):
         sc2 = Scenario(**{**sc.__dict__, "mesh": mesh})
-        for r in simulate(sc2, frameworks, arch):
+        try:  # e.g. --async-tp rules out the meshes without TP
+            got = simulate(sc2, frameworks, arch)
+        except ValueError as e:
+            refused.append(f"{mesh}: {e}")
+            continue
+        for r in got:
             tried[r.framework].append(r)
             cur = best.get(r.framework)
             key = (r.fits, r.tokens_per_s_per_gpu)
             if cur is None or key > cur[0]:
                 best[r.framework] = (key, r)
+    if not best:
+        raise ValueError("--mesh auto: no candidate mesh (FSDP, HSDP, TP 2-8, EP) accepts this recipe: "
+                         + "; ".join(refused[:3]))
     out, why = [], {}
     for fw in frameworks:
         r = best[fw][1]

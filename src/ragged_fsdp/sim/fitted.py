@@ -1,0 +1,42 @@
+"""The simulator's fitted constants, each fitted once on named published points (never on a
+validation point). ``python -m ragged_fsdp.sim.validate --fit`` refits them from
+``published_points.json`` and prints the values; the validation run checks they still match.
+
+- ``EFFICIENCY[gpu]``: the fraction of peak dense bf16 flops the blocks' matmuls reach (one
+  per GPU profile). H100: torchtitan Llama 3.1 8B on 8 H100, FSDP, per-op SAC (5,762 tok/s);
+  A100: torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s). H200 and B200
+  borrow H100's (unvalidated).
+- ``COMPILE_SPEEDUP``: how much faster ``torch.compile`` runs the non-attention compute,
+  fitted on the same 8-GPU table's "FSDP + torch.compile" row (6,667 tok/s).
+- ``FLOAT8_SPEEDUP["tensorwise"]``: how much faster the blocks' linears run in float8,
+  fitted on that table's "FSDP + torch.compile + Float8" row (8,532 tok/s).
+  ``["rowwise"]``: fitted on torchtitan's async-TP table, Llama 3 70B, 256 H100, FSDP 32 x
+  TP 8, float8 rowwise, vanilla TP (599.6 tok/s).
+- ``ATTENTION_RATE``: flash attention's rate as a fraction of the matmuls' rate (causal,
+  backward = 2.5 x forward), fitted on torchtitan's CP table row "FSDP 8, CP 1, sequence
+  32768" (3,890 tok/s).
+- ``ALLOCATOR_RESERVE``: what the CUDA caching allocator reserves beyond the peak allocated,
+  as a fraction of it (torchtitan reports ``max_memory_reserved``; the simulator counts
+  allocated bytes). Fitted on the memory of the 8-GPU table's "FSDP" row (82.4 GiB).
+"""
+
+from __future__ import annotations
+
+__all__ = ["EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
+
+EFFICIENCY = {"h100": 0.3674, "a100": 0.6228}
+COMPILE_SPEEDUP = 1.2060
+FLOAT8_SPEEDUP = {"tensorwise": 1.4407, "rowwise": 1.0393}
+ATTENTION_RATE = 0.6685
+ALLOCATOR_RESERVE = 0.2121
+
+# constant -> id of the point in published_points.json it is fitted on (in fit order)
+FIT_POINTS = {
+    "efficiency:h100": "tt-2412-t1-fsdp",
+    "efficiency:a100": "tt-perf-a100-l3-8b-layer",
+    "compile_speedup": "tt-2412-t1-compile",
+    "float8_speedup:tensorwise": "tt-2412-t1-compile-fp8",
+    "attention_rate": "tt-2412-t2-cp1",
+    "float8_speedup:rowwise": "tt-atp-70b-rowwise-vanilla",
+    "allocator_reserve": "tt-2412-t1-fsdp",  # on its memory (GiB), the only constant fitted on memory
+}
