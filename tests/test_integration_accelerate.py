@@ -47,8 +47,7 @@ def _model():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str, mixed_precision: str = "no",
-                 fsdp_version: int = 2):
+def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str, mixed_precision: str = "no"):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType
@@ -60,7 +59,7 @@ def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str, mixe
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=fsdp_version,
+        fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
         state_dict_type=state_dict_type,
@@ -190,12 +189,11 @@ def case_sharded_state_dict(rank, world):
 def case_cpu_takes_fsdp_path_with_mixed_precision(rank, world):
     """After enable(), Accelerator(cpu=True, fsdp_plugin=..., mixed_precision="bf16") on a
     CPU machine runs FSDP (not DDP) with the bf16 policy accelerate sets on GPU, and trains
-    like torch's FSDP2 given the same policy; an FSDP1 plugin is refused."""
+    like torch's FSDP2 given the same policy."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import ragged_fsdp
-    from ragged_fsdp.integrations.accelerate import RaggedAccelerateError
 
     runs = {}
     for ragged in (False, True):
@@ -211,15 +209,28 @@ def case_cpu_takes_fsdp_path_with_mixed_precision(rank, world):
         assert out.dtype == torch.bfloat16, out.dtype
         runs[ragged] = _steps(acc, model, opt, rank, world, 1, 2)
     (la, na), (lb, nb) = runs[False], runs[True]
+    if rank == 0:
+        print("bf16 accelerate, max rel. diff loss / norm:", max(_rel(lb[s], la[s]) for s in la),
+              max(_rel(nb[s], na[s]) for s in na), flush=True)
     for s in la:  # bf16 compute and bf16 reductions: the frameworks sum in different orders
-        assert _rel(lb[s], la[s]) <= 1e-2, (s, la, lb)
-        assert _rel(nb[s], na[s]) <= 5e-2, (s, na, nb)
-    try:
-        _accelerator(rank, world, True, "SHARDED_STATE_DICT", fsdp_version=1)
-    except RaggedAccelerateError as e:
-        assert "fsdp_version=2" in str(e), e
-    else:
-        raise AssertionError("an FSDP1 plugin on CPU should be refused")
+        assert _rel(lb[s], la[s]) <= 1e-4, (s, la, lb)
+        assert _rel(nb[s], na[s]) <= 1e-3, (s, na, nb)
+
+
+def test_fsdp1_plugin_on_cpu_is_refused_not_ddp():
+    """An FSDP1 plugin on MULTI_CPU (accelerate's own refuses to be built without an
+    accelerator; one built elsewhere could still be handed over) is refused, not run as DDP."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    from ragged_fsdp.integrations.accelerate import RaggedAccelerateError, _take_fsdp_branch_on_cpu
+
+    state = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, _mixed_precision="no")
+    with pytest.raises(RaggedAccelerateError, match="fsdp_version=2"):
+        _take_fsdp_branch_on_cpu(state, types.SimpleNamespace(fsdp_version=1))
+    _take_fsdp_branch_on_cpu(state, None)  # no FSDP asked for: DDP is what the user chose
+    assert state.distributed_type == DistributedType.MULTI_CPU
 
 
 def case_enable_is_scoped(rank, world):

@@ -3,11 +3,11 @@
 ranks, fp32, debug models).
 
 One process group of 4 ranks runs every configuration in turn. For each, torchtitan's own
-``Trainer`` writes a seed checkpoint with FSDP2, then trains ``STEPS`` steps from it with
-FSDP2 (stock config function) and with ragged_fsdp (the ragged module's config function of
-the same name), both with torchtitan's parallelism settings for that configuration; losses
-and gradient norms (float64 norms of the full gradients, and torchtitan's logged norm) are
-compared step by step. For HSDP each framework also resumes the other's full checkpoint
+``Trainer`` with FSDP2 (stock config function) saves its initial state as a seed checkpoint
+and trains ``STEPS`` steps; ragged_fsdp (the ragged module's config function of the same
+name) loads that seed and trains the same steps, both with torchtitan's parallelism settings
+for that configuration; losses and gradient norms (float64 norms of the full gradients, and
+torchtitan's logged norm) are compared step by step. For HSDP each framework also resumes the other's full checkpoint
 (model, optimizer, data loader, step) for one more step. CPU stand-ins: ragged_fsdp's CPU
 mode (``ragged_fsdp.integrations.torchtitan.cpu``).
 
@@ -30,17 +30,21 @@ from _dist import check_case, run_cases  # noqa: E402
 WORLD = 4
 STEPS = 3
 LOSS_RTOL = 1e-5  # fp32
-NORM_RTOL = 1e-5  # float64 norms of the full gradients
+NORM_RTOL = 1e-3  # the issue's bound; measured values are in docs/integrations.md
 # torchtitan's logged norm: FSDP2 sums fp32 per-shard norms; ragged_fsdp accumulates in
 # float64, so the logged values differ by the FSDP2 side's fp32 rounding
 LOGGED_NORM_RTOL = 1e-3
 
-# name: (model, torchtitan parallelism settings, cross-framework resume)
+# name: (model, torchtitan parallelism settings, sequence length, cross-framework resume)
 CONFIGS = {
-    "hsdp": ("llama3", dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2), True),
-    "tp": ("llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), False),
-    "ep": ("deepseek_v3", dict(data_parallel_shard_degree=4, expert_parallel_degree=2), False),
-    "cp": ("llama3", dict(data_parallel_shard_degree=2, context_parallel_degree=2), False),
+    "hsdp": ("llama3", dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2), 64, True),
+    "tp": ("llama3", dict(data_parallel_shard_degree=2, tensor_parallel_degree=2), 64, False),
+    "ep": ("deepseek_v3", dict(data_parallel_shard_degree=4, expert_parallel_degree=2), 64, False),
+    # torch's CP FlexAttention needs seq_len divisible by cp * 128
+    "cp": ("llama3", dict(data_parallel_shard_degree=2, context_parallel_degree=2), 256, False),
+    # torch 2.13's FSDP2 fails under full_dtensor with TP ("Expected param's DTensor mesh to
+    # be the same mesh passed to fully_shard"), so the backend is matched on FSDP alone
+    "full_dtensor": ("llama3", dict(spmd_backend="full_dtensor", data_parallel_shard_degree=4), 64, False),
 }
 
 
@@ -77,15 +81,17 @@ def _compare(what: str, a, b, steps) -> dict:
 def _run_config(name: str, rank: int) -> None:
     import _torchtitan_cpu as h
 
-    model, par, resume = CONFIGS[name]
+    model, par, seq_len, resume = CONFIGS[name]
     root = os.environ["RAGGED_TT_ROOT"]
     base = os.path.join(root, name)
     fsdp2_fn, ragged_fn = _registries(model)
-    common = dict(assets=os.path.join(root, "assets"), parallelism=par)
+    common = dict(assets=os.path.join(root, "assets"), parallelism=par, seq_len=seq_len)
 
-    h.train(h.build_config(fsdp2_fn, dump=f"{base}/seed", steps=0, **common), save_seed=True)
-    seed = f"{base}/seed/checkpoint/step-0"
-    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=STEPS, load_path=seed, **common))
+    # FSDP2 saves its initial state (the seed) and trains from it; ragged_fsdp loads that
+    # seed. (One FSDP2 trainer per process: under full_dtensor a second one in the same
+    # process fails in FSDP2's fully_shard with "different mesh objects".)
+    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=STEPS, **common), save_seed=True)
+    seed = f"{base}/fsdp2/checkpoint/step-0"
     b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=STEPS, load_path=seed, **common))
     rep = {"config": [model, par], "steps": _compare(name, a, b, range(1, STEPS + 1)),
            "losses": {"fsdp2": a.losses, "ragged": b.losses},
@@ -122,7 +128,11 @@ def case_cp(rank, world):
     _run_config("cp", rank)
 
 
-CASES = {"hsdp": case_hsdp, "tp": case_tp, "ep": case_ep, "cp": case_cp}
+def case_full_dtensor(rank, world):
+    _run_config("full_dtensor", rank)
+
+
+CASES = {"hsdp": case_hsdp, "tp": case_tp, "ep": case_ep, "cp": case_cp, "full_dtensor": case_full_dtensor}
 
 
 @pytest.fixture(scope="module")

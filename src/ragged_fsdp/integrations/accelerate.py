@@ -37,8 +37,8 @@ DDP, and ``mixed_precision`` never reaches the FSDP plugin. After :func:`enable`
 takes on GPUs instead: distributed type ``FSDP``, and ``mixed_precision`` mapped onto the
 plugin by the plugin's own ``set_mixed_precision`` (``"bf16"`` ->
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``; an explicit
-``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin
-(``fsdp_version=1``) there is refused: ragged_fsdp implements FSDP2's API only.
+``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin there is refused
+(accelerate's own FSDP1 plugin already refuses to be built without an accelerator).
 """
 
 from __future__ import annotations
@@ -193,6 +193,8 @@ def _take_fsdp_branch_on_cpu(state, fsdp_plugin) -> None:
     if fsdp_plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
         return
     if getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        # accelerate's FSDP1 plugin refuses a CPU machine when it is built; one made before
+        # (and handed over) would run as DDP here
         raise RaggedAccelerateError(
             "ragged_fsdp.integrations.accelerate: FullyShardedDataParallelPlugin(fsdp_version="
             f"{fsdp_plugin.fsdp_version}) on a CPU machine would run as DDP (accelerate's MULTI_CPU); "
