@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import types
 
@@ -217,12 +218,21 @@ def test_a_refusal_is_one_line_without_traceback(tmp_path):
         "rt.check_supported(types.SimpleNamespace(dp_replicate=1, tp=1, cp=1, ep=1, pp=2),"
         " types.SimpleNamespace(spmd_backend='partial_dtensor', enable_fsdp_symm_mem=False))\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p)}
+    # torchrun's failure summary prints the error file torchtitan's @record writes: it must
+    # hold the one line too
+    err_file = tmp_path / "error.json"
+    err_file.write_text(json.dumps({"message": {"message": "x", "extraInfo": {"py_callstack": "Traceback ..."}}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
+           "TORCHELASTIC_ERROR_FILE": str(err_file)}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
     assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert "pipeline_parallel_degree=2" in lines[0], lines
+    summary = json.loads(err_file.read_text())["message"]
+    assert "Traceback" not in summary["extraInfo"]["py_callstack"], summary
+    assert "pipeline_parallel_degree=2" in summary["extraInfo"]["py_callstack"], summary
+    env.pop("TORCHELASTIC_ERROR_FILE")
     r = subprocess.run([sys.executable, "-c", "import ragged_fsdp.integrations.torchtitan\nraise KeyError('x')"],
                        capture_output=True, text=True, env=env, timeout=300)
     assert "Traceback" in r.stderr and "KeyError" in r.stderr, r.stderr
@@ -263,3 +273,29 @@ def test_shard_placement_result_keeps_its_placement_as_granularity():
     assert granularity_from_placement(p, None, "w") is None
     with pytest.raises(Refused, match="only Shard"):
         granularity_from_placement(p, Replicate(), "w")
+
+
+def test_cpu_mode_command_line(tmp_path):
+    """The documented CPU command trains (torchrun, 2 gloo ranks, 2-way FSDP,
+    2 steps) and logs a finite loss each step; the start-up notice about the backend appears
+    once."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
+           "RAGGED_FSDP_ASSETS": str(tmp_path / "assets")}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "0", "-m", "ragged_fsdp.integrations.torchtitan.cpu",
+           "--module", "ragged_fsdp.integrations.torchtitan", "--config", "llama3_debugmodel",
+           "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
+           "--validator.no-enable", "--checkpoint.no-enable", "--dump_folder", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", re.sub(r"\x1b\[[0-9;]*m", "", out))]
+    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), out[-4000:]
+    assert out.count("spmd_backend is partial_dtensor") == 1, out[-4000:]

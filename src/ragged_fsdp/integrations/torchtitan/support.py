@@ -5,12 +5,17 @@ and what to do. Programs that call the integration get an ordinary exception; a
 command-line run (``torchrun -m torchtitan.train --module ragged_fsdp.integrations.torchtitan``)
 prints that message as one line per rank instead of a traceback, through a
 ``sys.excepthook`` that handles :class:`Refused` only and hands every other exception to
-the hook it replaced.
+the hook it replaced. torchtitan's ``Trainer`` methods are decorated with torchelastic's
+``@record``, which writes the traceback into this rank's error file for torchrun's failure
+summary; for a refusal the hook rewrites that file to hold the one line.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from typing import Any
 
 __all__ = ["Refused", "check_supported", "backend_notice", "PREFIX"]
@@ -27,8 +32,22 @@ def _excepthook(exc_type, exc, tb, _previous=sys.excepthook):
         rank = _rank()
         where = f"[rank {rank}] " if rank is not None else ""
         print(f"{where}error: {exc}", file=sys.stderr, flush=True)
+        _rewrite_error_file(exc)
         return
     _previous(exc_type, exc, tb)
+
+
+def _rewrite_error_file(exc: Refused) -> None:
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = f"{type(exc).__name__}: {exc}"
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the summary then shows what @record wrote; the per-rank line is printed already
 
 
 def _rank() -> int | None:
