@@ -8,8 +8,10 @@ gradient accumulation under ``accelerator.no_sync``, ``accelerator.clip_grad_nor
 AdamW. Losses, gradient norms and the full state dict (``get_state_dict``) are compared; then
 each framework's ``save_state`` is resumed by the other with ``load_state``.
 
-Test-harness only: on CPU accelerate picks MULTI_CPU and would wrap in DDP, so the harness
-forces its distributed type to FSDP after building the Accelerator.
+On CPU accelerate picks MULTI_CPU and would wrap in DDP: after ``enable()`` the integration
+takes accelerate's FSDP branch itself (tested here without help, with ``mixed_precision``
+mapped as on GPU); for the torch-FSDP2 reference runs the harness forces the distributed type
+and maps ``mixed_precision`` the same way.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _model():
     return transformers.LlamaForCausalLM(cfg)
 
 
-def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str):
+def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str, mixed_precision: str = "no"):
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DistributedType
@@ -64,12 +66,18 @@ def _accelerator(rank: int, world: int, ragged: bool, state_dict_type: str):
         cpu_ram_efficient_loading=True,
         reshard_after_forward=True,
     )
-    acc = Accelerator(fsdp_plugin=plugin, cpu=True)
-    # harness only: accelerate never takes its FSDP path on CPU (it picks MULTI_CPU / DDP)
-    # (AcceleratorState() re-reads PartialState's type, so set both)
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    acc.state.distributed_type = DistributedType.FSDP
-    acc.state.fsdp_plugin = plugin
+    acc = Accelerator(fsdp_plugin=plugin, cpu=True, mixed_precision=mixed_precision)
+    if not ragged:
+        # reference runs only: accelerate never takes its FSDP path on CPU (it picks
+        # MULTI_CPU / DDP); do what its GPU branch does (AcceleratorState() re-reads
+        # PartialState's type, so set both)
+        assert acc.state.distributed_type == DistributedType.MULTI_CPU
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        acc.state.distributed_type = DistributedType.FSDP
+        if mixed_precision != "no":
+            plugin.set_mixed_precision(mixed_precision)
+        acc.state.fsdp_plugin = plugin
+    assert acc.state.distributed_type == DistributedType.FSDP
     return acc
 
 
@@ -178,6 +186,53 @@ def case_sharded_state_dict(rank, world):
     _train_and_cross_resume(rank, world, "SHARDED_STATE_DICT")
 
 
+def case_cpu_takes_fsdp_path_with_mixed_precision(rank, world):
+    """After enable(), Accelerator(cpu=True, fsdp_plugin=..., mixed_precision="bf16") on a
+    CPU machine runs FSDP (not DDP) with the bf16 policy accelerate sets on GPU, and trains
+    like torch's FSDP2 given the same policy."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import ragged_fsdp
+
+    runs = {}
+    for ragged in (False, True):
+        acc = _accelerator(rank, world, ragged, "SHARDED_STATE_DICT", mixed_precision="bf16")
+        want = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                    output_dtype=torch.bfloat16)
+        assert acc.state.fsdp_plugin.mixed_precision_policy == want, acc.state.fsdp_plugin.mixed_precision_policy
+        model, opt = _prepare(acc, ragged)
+        if ragged:
+            assert isinstance(model, ragged_fsdp.FSDPModule), type(model)
+        with torch.no_grad():  # the forward computes in bf16 (policy's param_dtype)
+            out = model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits
+        assert out.dtype == torch.bfloat16, out.dtype
+        runs[ragged] = _steps(acc, model, opt, rank, world, 1, 2)
+    (la, na), (lb, nb) = runs[False], runs[True]
+    if rank == 0:
+        print("bf16 accelerate, max rel. diff loss / norm:", max(_rel(lb[s], la[s]) for s in la),
+              max(_rel(nb[s], na[s]) for s in na), flush=True)
+    for s in la:  # bf16 compute and bf16 reductions: the frameworks sum in different orders
+        assert _rel(lb[s], la[s]) <= 1e-4, (s, la, lb)
+        assert _rel(nb[s], na[s]) <= 1e-3, (s, na, nb)
+
+
+def test_fsdp1_plugin_on_cpu_is_refused_not_ddp():
+    """An FSDP1 plugin on MULTI_CPU (accelerate's own refuses to be built without an
+    accelerator; one built elsewhere could still be handed over) is refused, not run as DDP."""
+    import types
+
+    from accelerate.utils import DistributedType
+
+    from ragged_fsdp.integrations.accelerate import RaggedAccelerateError, _take_fsdp_branch_on_cpu
+
+    state = types.SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, _mixed_precision="no")
+    with pytest.raises(RaggedAccelerateError, match="fsdp_version=2"):
+        _take_fsdp_branch_on_cpu(state, types.SimpleNamespace(fsdp_version=1))
+    _take_fsdp_branch_on_cpu(state, None)  # no FSDP asked for: DDP is what the user chose
+    assert state.distributed_type == DistributedType.MULTI_CPU
+
+
 def case_enable_is_scoped(rank, world):
     """enable() swaps accelerate's FSDP2 entry points only; torch's names stay torch's outside
     accelerate's calls, and disable() restores accelerate."""
@@ -260,7 +315,8 @@ class _Scorer(__import__("torch").nn.Module):
         return self.lin(x).sum(-1)
 
 
-CASES = [case_full_state_dict, case_sharded_state_dict, case_enable_is_scoped, case_torch_fsdp_module_surface]
+CASES = [case_full_state_dict, case_sharded_state_dict, case_cpu_takes_fsdp_path_with_mixed_precision,
+         case_enable_is_scoped, case_torch_fsdp_module_surface]
 
 
 @pytest.fixture(scope="module")

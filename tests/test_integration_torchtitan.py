@@ -5,7 +5,8 @@ For the llama3 and deepseek-v3 debug models, torchtitan's own ``Trainer`` (built
 stock config function for FSDP2, and from the ragged module's config function of the same
 name) trains from one seed checkpoint; losses, gradient norms and final parameters are
 compared, and DCP checkpoints (model, optimizer, data loader, step) written by each framework
-are resumed by the other. CPU stand-ins live in ``tests/_torchtitan_cpu.py``.
+are resumed by the other. CPU stand-ins: ragged_fsdp's CPU mode
+(``ragged_fsdp.integrations.torchtitan.cpu``); ``tests/_torchtitan_cpu.py`` records the runs.
 """
 
 from __future__ import annotations
@@ -76,12 +77,12 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
     N = STEPS
 
     # one seed checkpoint, written by torchtitan's own (FSDP2) trainer
-    h.train(h.build_config(fsdp2_fn, dump=f"{base}/seed", steps=0, **common), force_sum=True, save_seed=True)
+    h.train(h.build_config(fsdp2_fn, dump=f"{base}/seed", steps=0, **common), save_seed=True)
     seed = f"{base}/seed/checkpoint/step-0"
 
     # N steps with each framework from the seed; each saves its full state at step N
-    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=N, load_path=seed, **common), force_sum=True)
-    b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=N, load_path=seed, **common), force_sum=False)
+    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=N, load_path=seed, **common))
+    b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=N, load_path=seed, **common))
     rep = {"steps": _compare_runs("train", a, b, range(1, N + 1))}
     rep["losses"] = {"fsdp2": a.losses, "ragged": b.losses}
     rep["exact_grad_norms"] = {"fsdp2": a.exact_grad_norms, "ragged": b.exact_grad_norms}
@@ -89,8 +90,8 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
 
     # each resumes the other's step-N checkpoint (model, optimizer, data loader, step)
     full = dict(model_only=False, steps=N + 1, **common)
-    c = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged_from_fsdp2", load_path=f"{base}/fsdp2/checkpoint/step-{N}", **full), force_sum=False)
-    d = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2_from_ragged", load_path=f"{base}/ragged/checkpoint/step-{N}", **full), force_sum=True)
+    c = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged_from_fsdp2", load_path=f"{base}/fsdp2/checkpoint/step-{N}", **full))
+    d = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2_from_ragged", load_path=f"{base}/ragged/checkpoint/step-{N}", **full))
     assert list(c.losses) == list(d.losses) == [N + 1], (c.losses, d.losses)  # resumed at step N
     rep["resume"] = _compare_runs("resume", d, c, [N + 1])
 
@@ -175,47 +176,126 @@ def test_config_module_is_a_torchtitan_module():
     assert cfg.parallelism.spmd_backend == "spmd_types"
 
 
-@pytest.mark.parametrize("dims, flag", [
-    (dict(dp_replicate=2), "data_parallel_replicate_degree=2"),
-    (dict(tp=2), "tensor_parallel_degree=2"),
-    (dict(cp=2), "context_parallel_degree=2"),
-    (dict(ep=4), "expert_parallel_degree=4"),
-    (dict(pp=2), "pipeline_parallel_degree=2"),
-])
-def test_unsupported_parallelism_is_refused(dims, flag):
+def _dims(**kw):
+    return types.SimpleNamespace(**{**dict(dp_replicate=1, tp=1, cp=1, ep=1, pp=1), **kw})
+
+
+def _par(**kw):
+    return types.SimpleNamespace(**{**dict(spmd_backend="partial_dtensor", enable_fsdp_symm_mem=False), **kw})
+
+
+@pytest.mark.parametrize("dims", [dict(dp_replicate=2), dict(tp=2), dict(cp=2), dict(ep=4),
+                                  dict(dp_replicate=2, tp=2, ep=2, cp=2)])
+def test_hsdp_tp_ep_cp_are_accepted(dims):
     from ragged_fsdp.integrations.torchtitan import check_supported
 
-    pd = types.SimpleNamespace(**{**dict(dp_replicate=1, tp=1, cp=1, ep=1, pp=1), **dims})
-    par = types.SimpleNamespace(spmd_backend="partial_dtensor", enable_fsdp_symm_mem=False)
-    with pytest.raises(NotImplementedError, match=flag):
-        check_supported(pd, par)
+    check_supported(_dims(**dims), _par())
+    if "cp" not in dims:
+        check_supported(_dims(**dims), _par(spmd_backend="full_dtensor"))
 
 
-@pytest.mark.parametrize("backend", ["full_dtensor", "spmd_types"])
-def test_spmd_backends_and_symm_mem_are_refused(backend):
-    from ragged_fsdp.integrations.torchtitan import check_supported, fully_shard_for_torchtitan
+@pytest.mark.parametrize("dims, par, match", [
+    (dict(pp=2), {}, r"pipeline_parallel_degree=2 .*Use --parallelism.pipeline_parallel_degree 1"),
+    ({}, dict(spmd_backend="spmd_types"), r"spmd_backend=spmd_types .*partial_dtensor"),
+    (dict(cp=2), dict(spmd_backend="full_dtensor"), r"full_dtensor with --parallelism.context_parallel_degree=2"),
+    ({}, dict(enable_fsdp_symm_mem=True), r"enable_fsdp_symm_mem .*drop the option"),
+])
+def test_what_is_left_is_refused_naming_the_setting(dims, par, match):
+    from ragged_fsdp.integrations.torchtitan import Refused, check_supported
 
-    pd = types.SimpleNamespace(dp_replicate=1, tp=1, cp=1, ep=1, pp=1)
-    with pytest.raises(NotImplementedError, match=f"spmd_backend={backend}.*dp_mesh_dims"):
-        check_supported(pd, types.SimpleNamespace(spmd_backend=backend, enable_fsdp_symm_mem=False))
-    with pytest.raises(NotImplementedError, match="enable_fsdp_symm_mem"):
-        check_supported(pd, types.SimpleNamespace(spmd_backend="partial_dtensor", enable_fsdp_symm_mem=True))
-    import torch.nn as nn
-
-    with pytest.raises(NotImplementedError, match="dp_mesh_dims"):
-        fully_shard_for_torchtitan(nn.Linear(2, 2), dp_mesh_dims=object())
+    with pytest.raises(Refused, match=match):
+        check_supported(_dims(**dims), _par(**par))
 
 
-def test_expert_parallel_placement_is_refused():
+def test_a_refusal_is_one_line_without_traceback(tmp_path):
+    """A refusal reaching the top of a torchtitan run prints one line (per rank), no traceback;
+    any other exception still gets Python's traceback."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ragged_fsdp.integrations.torchtitan as rt, types\n"
+        "rt.check_supported(types.SimpleNamespace(dp_replicate=1, tp=1, cp=1, ep=1, pp=2),"
+        " types.SimpleNamespace(spmd_backend='partial_dtensor', enable_fsdp_symm_mem=False))\n"
+    )
+    # torchrun's failure summary prints the error file torchtitan's @record writes: it must
+    # hold the one line too
+    err_file = tmp_path / "error.json"
+    err_file.write_text(json.dumps({"message": {"message": "x", "extraInfo": {"py_callstack": "Traceback ..."}}}))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
+           "TORCHELASTIC_ERROR_FILE": str(err_file)}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip() and "Warning" not in ln and "warn" not in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "pipeline_parallel_degree=2" in lines[0], lines
+    summary = json.loads(err_file.read_text())["message"]
+    assert "Traceback" not in summary["extraInfo"]["py_callstack"], summary
+    assert "pipeline_parallel_degree=2" in summary["extraInfo"]["py_callstack"], summary
+    env.pop("TORCHELASTIC_ERROR_FILE")
+    r = subprocess.run([sys.executable, "-c", "import ragged_fsdp.integrations.torchtitan\nraise KeyError('x')"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert "Traceback" in r.stderr and "KeyError" in r.stderr, r.stderr
+
+
+def test_spmd_types_on_the_command_line_still_wins():
+    from torchtitan.config import ConfigManager
+
+    cfg = ConfigManager().parse_args(
+        ["--module", "ragged_fsdp.integrations.torchtitan", "--config", "llama3_debugmodel",
+         "--parallelism.spmd_backend", "full_dtensor"]
+    )
+    assert cfg.parallelism.spmd_backend == "full_dtensor"
+
+
+def test_backend_notice():
+    from ragged_fsdp.integrations.torchtitan.support import backend_notice
+
+    line = backend_notice(_par(), switched=True)
+    assert "spmd_backend is partial_dtensor" in line and "spmd_types" in line and "\n" not in line
+    assert backend_notice(_par(), switched=False) is None
+    assert backend_notice(_par(spmd_backend="full_dtensor"), switched=True) is None
+
+
+def test_shard_placement_result_keeps_its_placement_as_granularity():
     import torch.nn as nn
     from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
-    from ragged_fsdp.integrations.torchtitan import _granularity_from_placement
+    from ragged_fsdp.integrations.torchtitan import Refused
+    from ragged_fsdp.integrations.torchtitan.shard import granularity_from_placement
 
     p = nn.Parameter(nn.Linear(4, 3).weight.detach())
-    with pytest.raises(NotImplementedError, match="its own mesh.*expert_parallel_degree=1"):
-        _granularity_from_placement(p, ShardPlacementResult(placement=Shard(0), mesh_info=None), "w")
-    assert _granularity_from_placement(p, Shard(0), "w") == "row"
-    assert _granularity_from_placement(p, None, "w") is None
-    assert math.prod(p.shape) == 12
+    assert granularity_from_placement(p, ShardPlacementResult(placement=Shard(0), mesh_info=None), "w") == "row"
+    e = nn.Parameter(nn.Linear(4, 3).weight.detach().reshape(1, 3, 4))
+    assert granularity_from_placement(e, ShardPlacementResult(placement=Shard(1), mesh_info=None), "e") == "row"
+    assert granularity_from_placement(e, Shard(0), "e") == "block:12"
+    assert granularity_from_placement(p, None, "w") is None
+    with pytest.raises(Refused, match="only Shard"):
+        granularity_from_placement(p, Replicate(), "w")
+
+
+def test_cpu_mode_command_line(tmp_path):
+    """The documented CPU command trains (torchrun, 2 gloo ranks, 2-way FSDP,
+    2 steps) and logs a finite loss each step; the start-up notice about the backend appears
+    once."""
+    import re
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
+           "RAGGED_FSDP_ASSETS": str(tmp_path / "assets")}
+    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "0", "-m", "ragged_fsdp.integrations.torchtitan.cpu",
+           "--module", "ragged_fsdp.integrations.torchtitan", "--config", "llama3_debugmodel",
+           "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
+           "--validator.no-enable", "--checkpoint.no-enable", "--dump_folder", str(tmp_path / "out")]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", re.sub(r"\x1b\[[0-9;]*m", "", out))]
+    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), out[-4000:]
+    assert out.count("spmd_backend is partial_dtensor") == 1, out[-4000:]

@@ -30,7 +30,7 @@ from .collectives import Comm
 
 __all__ = [
     "DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh", "place_params",
-    "describe_dp", "check_shard_answer",
+    "describe_dp", "check_shard_answer", "is_default_mesh",
 ]
 
 
@@ -99,6 +99,10 @@ def shard_placement_mesh(result, default: DPMesh, cache: dict) -> DPMesh:
             f"fully_shard: shard_placement_fn returned {result!r}; expected None, a Shard or "
             "torch's ShardPlacementResult(placement, mesh_info)"
         )
+    if is_default_mesh(info, default):
+        # torchtitan's EP layout answers a ShardPlacementResult for every parameter, the
+        # call's own mesh for the non-experts: those stay in the call's buffers
+        return default
     mesh = info.mesh
     key = id(mesh)
     if key not in cache:
@@ -110,6 +114,19 @@ def shard_placement_mesh(result, default: DPMesh, cache: dict) -> DPMesh:
         else:
             cache[key] = DPMesh(mesh, _comm(mesh, info.shard_mesh_dim), _comm(mesh, rep))
     return cache[key]
+
+
+def is_default_mesh(info, default: DPMesh) -> bool:
+    """Whether FSDP2 mesh info ``info`` (a ``ShardPlacementResult.mesh_info``) names the same
+    data-parallel mesh, shard dim and replicate dim as ``default``, the mesh of the call."""
+    if default.spmd_mesh is not None or getattr(info, "dp_mesh_dims", None) is not None:
+        return False
+    if info.mesh is not default.mesh and info.mesh != default.mesh:
+        return False
+    rep = getattr(info, "replicate_mesh_dim", None)
+    if default.replicate is None:
+        return rep is None and info.shard_mesh_dim == 0
+    return rep == 0 and info.shard_mesh_dim == 1
 
 
 @dataclass

@@ -29,6 +29,16 @@ Two torch functions accelerate calls do not know the RaggedShard placement:
   out of the full tensor instead.
 
 The swaps last only while accelerate's own functions run; :func:`disable` undoes ``enable``.
+
+On a machine without an accelerator, accelerate 1.15 never takes its FSDP path: with
+``Accelerator(cpu=True)`` on several processes it picks ``MULTI_CPU`` and wraps the model in
+DDP, and ``mixed_precision`` never reaches the FSDP plugin. After :func:`enable`, an
+``AcceleratorState`` built with an FSDP plugin on ``MULTI_CPU`` takes the branch accelerate
+takes on GPUs instead: distributed type ``FSDP``, and ``mixed_precision`` mapped onto the
+plugin by the plugin's own ``set_mixed_precision`` (``"bf16"`` ->
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``; an explicit
+``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin there is refused
+(accelerate's own FSDP1 plugin already refuses to be built without an accelerator).
 """
 
 from __future__ import annotations
@@ -46,7 +56,11 @@ from ragged_fsdp.fsdp import fully_shard as _ragged_fully_shard
 from ragged_fsdp.placement import RaggedDTensor
 from ragged_fsdp.placement import distribute_tensor as _ragged_distribute_tensor
 
-__all__ = ["enable", "disable", "is_enabled", "set_model_state_dict"]
+__all__ = ["enable", "disable", "is_enabled", "set_model_state_dict", "RaggedAccelerateError"]
+
+
+class RaggedAccelerateError(ValueError):
+    """An accelerate setting this integration cannot run; the message says what to do."""
 
 # (module, attribute) pairs in accelerate that name the FSDP2 entry points we wrap
 _WRAPPED = {
@@ -170,9 +184,46 @@ def _wrap(fn):
     return wrapper
 
 
+def _take_fsdp_branch_on_cpu(state, fsdp_plugin) -> None:
+    """What accelerate's ``AcceleratorState`` does for an FSDP plugin on GPUs, done on
+    ``MULTI_CPU`` (where accelerate would silently use DDP)."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    if fsdp_plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
+        return
+    if getattr(fsdp_plugin, "fsdp_version", 1) != 2:
+        # accelerate's FSDP1 plugin refuses a CPU machine when it is built; one made before
+        # (and handed over) would run as DDP here
+        raise RaggedAccelerateError(
+            "ragged_fsdp.integrations.accelerate: FullyShardedDataParallelPlugin(fsdp_version="
+            f"{fsdp_plugin.fsdp_version}) on a CPU machine would run as DDP (accelerate's MULTI_CPU); "
+            "ragged_fsdp runs accelerate's FSDP2 path only: pass fsdp_version=2"
+        )
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    state.distributed_type = DistributedType.FSDP
+    if state._mixed_precision != "no":
+        fsdp_plugin.set_mixed_precision(state._mixed_precision)
+    state.fsdp_plugin = fsdp_plugin
+
+
+def _wrap_state_init(init):
+    @functools.wraps(init)
+    def __init__(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        _take_fsdp_branch_on_cpu(self, fsdp_plugin)
+
+    __init__.__ragged_fsdp_original__ = init
+    return __init__
+
+
 def enable() -> None:
-    """Make accelerate's FSDP2 path (``fsdp_version=2``) use ragged_fsdp. Call once, before
-    ``Accelerator(...)``; idempotent."""
+    """Make accelerate's FSDP2 path (``fsdp_version=2``) use ragged_fsdp, on CPU machines
+    too. Call once, before ``Accelerator(...)``; idempotent."""
+    from accelerate.state import AcceleratorState
+
+    if not hasattr(AcceleratorState.__init__, "__ragged_fsdp_original__"):
+        AcceleratorState.__init__ = _wrap_state_init(AcceleratorState.__init__)
     for name, modules in _WRAPPED.items():
         for modname in modules:
             mod = importlib.import_module(modname)
@@ -185,6 +236,11 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (accelerate's FSDP2 path uses torch's FSDP2 again)."""
+    from accelerate.state import AcceleratorState
+
+    original = getattr(AcceleratorState.__init__, "__ragged_fsdp_original__", None)
+    if original is not None:
+        AcceleratorState.__init__ = original
     for (modname, name), fn in list(_originals.items()):
         if modname.startswith("accelerate"):
             setattr(importlib.import_module(modname), name, fn)
