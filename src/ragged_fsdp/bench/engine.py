@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from .meta import run_meta
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
 MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
@@ -565,7 +566,7 @@ def main(args) -> int:
     # "report" keeps its shape (per workload) for readers of earlier files (sim.bench_check):
     # the W=2 launch when there is one; every launch is under "by_world".
     first = 2 if 2 in reports else worlds[0]
-    Path(out).write_text(json.dumps({"config": asdict(configs[first]), "report": reports[first],
+    Path(out).write_text(json.dumps({"meta": run_meta(), "config": asdict(configs[first]), "report": reports[first],
                                           "by_world": {str(w): r for w, r in reports.items()}},
                                          indent=1, default=str))
     print(f"\nwrote {out}")

@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from .engine import _free_port, build
+from .meta import run_meta
 
 
 def _variants(model, model8, mesh, sweep: bool):
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     report = run(a.world, a.models.split(","), a.rounds, a.steps)
     print_report(a.world, report)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"world": a.world, "rounds": a.rounds, "steps": a.steps, "report": report},
+    Path(a.out).write_text(json.dumps({"meta": run_meta(), "world": a.world, "rounds": a.rounds, "steps": a.steps, "report": report},
                                       indent=1))
     print(f"\nwrote {a.out}")
     return 0
