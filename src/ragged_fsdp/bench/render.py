@@ -54,7 +54,15 @@ FORMATS = {
     "gib": lambda x: f"{x / 2**30:.2f}",
     "x": lambda x: f"{x:.2f}x",
     "ms": lambda x: f"{1000 * x:.1f}",             # seconds -> ms
+    "size": lambda x: _size(x),                    # bytes -> 1.75 MiB / 59.83 GiB
 }
+
+
+def _size(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
 
 
 def lookup(obj, path: str):
