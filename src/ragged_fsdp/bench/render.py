@@ -16,8 +16,9 @@ them is generated (a line with the run's conditions, then the table) and is rewr
   (the key is ``{_key}``); ``rows=`` left out renders one row from the top level.
 - ``where=PATH=VALUE[,PATH=VALUE...]`` keeps the rows whose field, as text, equals VALUE.
 - A cell is a template: ``{path:format}`` with ``path`` dotted keys and list indices
-  (``by_world.2.report.dense.peak_mib``, ``points.0.1``) and ``format`` one of FORMATS or a
-  Python format spec (``.3f``). A path that does not exist renders ``-``.
+  (``by_world.2.report.dense.peak_mib``, ``points.0.1``), also ``a/b`` (a ratio of two paths)
+  and ``a*2`` (a path times a number), and ``format`` one of FORMATS or a Python format spec
+  (``.3f``). A path that does not exist renders ``-``.
 
     python -m ragged_fsdp.bench.render docs/benchmarks.md [more pages]   # rewrite the tables
     python -m ragged_fsdp.bench.render --check docs/*.md                 # exit 1 if one is stale
@@ -88,8 +89,22 @@ def fmt(value, spec: str | None) -> str:
     return format(value, spec)
 
 
+def value(expr: str, row: dict):
+    """A path, or two paths divided (``a/b``: a ratio), or a path times a number (``a*2``)."""
+    if "/" in expr:
+        a, b = (lookup(row, e.strip()) for e in expr.split("/", 1))
+        if MISSING in (a, b) or a is None or b in (None, 0):
+            return MISSING
+        return a / b
+    if "*" in expr:
+        path, k = expr.split("*", 1)
+        a = lookup(row, path.strip())
+        return MISSING if a is MISSING or a is None else a * float(k)
+    return lookup(row, expr.strip())
+
+
 def cell(template: str, row: dict) -> str:
-    return FIELD.sub(lambda m: fmt(lookup(row, m.group(1).strip()), m.group(2)), template)
+    return FIELD.sub(lambda m: fmt(value(m.group(1), row), m.group(2)), template)
 
 
 def conditions(meta: dict) -> str:
@@ -157,10 +172,25 @@ def render_block(spec: str, page: Path) -> str:
     return "\n".join(out) + "\n"
 
 
+def _fenced(text: str) -> list[tuple[int, int]]:
+    """Spans of fenced code blocks: a spec shown inside one is an example, not a table."""
+    spans, start, pos = [], None, 0
+    for line in text.splitlines(keepends=True):
+        if line.lstrip().startswith("```"):
+            if start is None:
+                start = pos
+            else:
+                spans.append((start, pos + len(line)))
+                start = None
+        pos += len(line)
+    return spans
+
+
 def render_page(text: str, page: Path) -> str:
     out, pos = [], 0
+    fences = _fenced(text)
     for m in START.finditer(text):
-        if m.start() < pos:
+        if m.start() < pos or any(a <= m.start() < b for a, b in fences):
             continue
         end = text.find(END, m.end())
         if end < 0:
