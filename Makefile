@@ -1,19 +1,20 @@
 # Two entry points, each sets itself up on a fresh machine:
 #   make demo   - the main job
-#   make test   - the test suite (what CI runs)
+#   make test   - the test suite and the strict docs build (what CI runs)
+# and `make docs` builds the documentation site into build/site.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench plan clean gpu-check
+.PHONY: demo test docs bench plan clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# Pin torch first: 2.13.0 installs a CPU build from local disk; anything unpinned pulls CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot,docs]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
@@ -21,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+	$(MAKE) docs
+
+# --strict: a broken link, a page missing from the nav or a missing API object fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 bench: $(STAMP)
 	$(BIN)/python -m ragged_fsdp bench
