@@ -12,8 +12,9 @@ them is generated (a line with the run's conditions, then the table) and is rewr
 
 - The JSON path is relative to the page. The file must have a top-level ``meta`` block
   (``ragged_fsdp.bench.meta.run_meta``: command, date, torch, CPU cores, GPU, load average).
-- ``rows=PATH`` is a dotted path to a list of objects, or to an object whose items become rows
-  (the key is ``{_key}``); ``rows=`` left out renders one row from the top level.
+- ``rows=PATH`` is a dotted path to a list of objects, or to an object of objects whose items
+  become rows (the key is ``{_key}``), or to an object of values (one row); ``rows=`` left out
+  renders one row from the top level.
 - ``where=PATH=VALUE[,PATH=VALUE...]`` keeps the rows whose field, as text, equals VALUE.
 - A cell is a template: ``{path:format}`` with ``path`` dotted keys and list indices
   (``by_world.2.report.dense.peak_mib``, ``points.0.1``), also ``a/b`` (a ratio of two paths)
@@ -143,10 +144,10 @@ def rows_of(data, opts: dict) -> list[dict]:
     src = data if not where else lookup(data, where)
     if src is MISSING:
         raise RenderError(f"rows={where}: no such path")
-    if isinstance(src, dict) and where:
-        rows = [{"_key": k, **v} if isinstance(v, dict) else {"_key": k, "value": v} for k, v in src.items()]
+    if isinstance(src, dict) and src and all(isinstance(v, dict) for v in src.values()):
+        rows = [{"_key": k, **v} for k, v in src.items()]  # an object of objects: one row each
     elif isinstance(src, dict):
-        rows = [src]
+        rows = [src]  # an object of values: one row
     else:
         rows = list(src)
     for cond in filter(None, opts.get("where", "").split(",")):
