@@ -68,3 +68,22 @@ def test_readme_links_resolve():
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
     missing = [l for l in links if "://" not in l and not (ROOT / l).exists()]
     assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_plan_out_writes_meta_and_cells(tmp_path, capsys):
+    from ragged_fsdp.cli import main
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama3-8b", "--world", "64", "--granularity", "row", "--out", str(out)]) == 0
+    data = __import__("json").loads(out.read_text())
+    assert set(data["meta"]) >= {"command", "date", "torch", "cpu_cores", "gpu"}
+    assert [c["model"] for c in data["cells"]] == ["llama3-8b"]
+
+
+def test_render_optional_block_without_json(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("<!-- bench: gone.json rows=rows optional\n| A |\n| {a} |\n-->\n<!-- /bench -->\n")
+    assert "Not measured yet" in render.render_page(page.read_text(), page)
+    page.write_text(page.read_text().replace(" optional", ""))
+    with pytest.raises(render.RenderError, match="does not exist"):
+        render.render_page(page.read_text(), page)

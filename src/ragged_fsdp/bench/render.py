@@ -16,6 +16,7 @@ them is generated (a line with the run's conditions, then the table) and is rewr
   become rows (the key is ``{_key}``), or to an object of values (one row); ``rows=`` left out
   renders one row from the top level.
 - ``where=PATH=VALUE[,PATH=VALUE...]`` keeps the rows whose field, as text, equals VALUE.
+- ``optional``: a missing JSON renders a one-line "not measured yet" note instead of failing.
 - A cell is a template: ``{path:format}`` with ``path`` dotted keys and list indices
   (``by_world.2.report.dense.peak_mib``, ``points.0.1``), also ``a/b`` (a ratio of two paths)
   and ``a*2`` (a path times a number), and ``format`` one of FORMATS or a Python format spec
@@ -159,6 +160,8 @@ def rows_of(data, opts: dict) -> list[dict]:
 def render_block(spec: str, page: Path) -> str:
     path, opts, headers, templates = parse_spec(spec)
     file = (page.parent / path).resolve()
+    if not file.exists() and "optional" in opts:
+        return f"*Not measured yet: the command above writes `{path}` (pass it as the output path), then re-render.*\n"
     if not file.exists():
         raise RenderError(f"{page}: {path} does not exist (run the command that writes it)")
     data = json.loads(file.read_text())
