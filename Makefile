@@ -1,12 +1,13 @@
 # Two entry points, each sets itself up on a fresh machine:
 #   make demo   - the main job
-#   make test   - the test suite (what CI runs)
+#   make test   - the test suite and the strict docs build (what CI runs)
+# and `make docs` builds the documentation site into build/site.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-torch214 bench plan clean gpu-check
+.PHONY: demo test docs test-torch214 bench plan clean gpu-check
 
 # A second torch for CI: a representative subset of the suite (placement, engine numerics and
 # patterns, checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# Pin torch first: 2.13.0 installs a CPU build from local disk; anything unpinned pulls CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot,docs]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)
@@ -34,6 +35,11 @@ test: $(STAMP)
 	# the engine's tests again on the ordering-checking device (tests/_checking_device.py), W = 2
 	RAGGED_FSDP_CHECK_ORDER=1 $(BIN)/python -m pytest -q tests/test_patterns_engine.py \
 		tests/test_fsdp_numerics.py tests/test_fsdp_mesh.py tests/test_optim_dist.py
+	$(MAKE) docs
+
+# --strict: a broken link, a page missing from the nav or a missing API object fails the build
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 $(STAMP214): pyproject.toml
 	test -x $(VENV214)/bin/python || $(PY) -m venv $(VENV214)

@@ -24,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ragged_fsdp.checkpoint.integrity import ChecksummedReader, ChecksummedWriter
+from ragged_fsdp.bench.meta import run_meta
 
 
 def _state(mib: int, tensors: int) -> dict:
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
         print(f"{op:6}{m[op + '_plain']:>12.3f}{m[op + '_crc']:>15.3f}{res[op + '_ratio']:>8.2f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=1)
+            json.dump({"meta": run_meta(), **res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from .meta import run_meta
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
 MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
@@ -401,6 +402,33 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
             print(f"\n-- profile: {kind} / {v} (one step, rank 0) --\n{prof}")
 
 
+def summary_rows(world: int, report: dict) -> list[dict]:
+    """One flat row per workload and framework: what the printed table shows, for renderers."""
+    rows = []
+    for kind, r in report.items():
+        local_copies = sum(r["copy_bytes"]["local"].values()) if "local" in r["copy_bytes"] else None
+        base = r["peak_bytes"].get("fsdp2")
+        top = r.get("peak_bytes_max_rank", {})
+        for v in r["step_s"]:
+            comp = r["peak_composition"].get(v, {})
+            comm = r.get("comm", {}).get(v, {})
+            copies = sum(r["copy_bytes"][v].values())
+            rows.append({
+                "world": world, "workload": kind, "framework": v,
+                "step_ms": statistics.median(r["step_s"][v]) * 1e3,
+                "step_vs_fsdp2": r["vs_fsdp2"].get(v),
+                "peak_mib": r["peak_bytes"][v] / 2**20,
+                "peak_vs_fsdp2": r["peak_bytes"][v] / base if base else None,
+                "max_rank_peak_vs_fsdp2": top[v] / top["fsdp2"] if top.get("fsdp2") and v in top else None,
+                # the model's own copies (the local model's) are not the framework's
+                "copy_bytes": max(0, copies - local_copies) if local_copies is not None else copies,
+                "at_peak_mib": {k: comp.get(k, 0) / 2**20 for k in MEM_KINDS + ("Total",)},
+                "comm_bytes": comm.get("by_kind"), "comm_float_bytes": comm.get("float_by_kind"),
+                "comm_calls": comm.get("calls"),
+            })
+    return rows
+
+
 def print_composition(cfg: BenchConfig, report: dict) -> None:
     """What is live at each framework's peak, by MemTracker reference type (MiB)."""
     print(f"\nmemory live at the peak of one step, by kind (MiB, rank 0, W={cfg.world}; MemTracker's "
@@ -565,7 +593,9 @@ def main(args) -> int:
     # "report" keeps its shape (per workload) for readers of earlier files (sim.bench_check):
     # the W=2 launch when there is one; every launch is under "by_world".
     first = 2 if 2 in reports else worlds[0]
-    Path(out).write_text(json.dumps({"config": asdict(configs[first]), "report": reports[first],
+    rows = [row for w, r in reports.items() for row in summary_rows(w, r)]
+    Path(out).write_text(json.dumps({"meta": run_meta(), "config": asdict(configs[first]), "rows": rows,
+                                     "report": reports[first],
                                           "by_world": {str(w): r for w, r in reports.items()}},
                                          indent=1, default=str))
     print(f"\nwrote {out}")

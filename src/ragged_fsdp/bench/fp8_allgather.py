@@ -32,6 +32,7 @@ from ..planner.granularity import TensorSpec
 from ..planner.model import plan_model
 from ..planner.suggest import merge_groups, suggest
 from ..quant import BlockFP8, per_tensor_quantize_dequantize, quantize_dequantize
+from .meta import run_meta
 
 Groups = list[tuple[str, list[tuple[str, tuple[int, ...]]]]]
 MASTER_ITEMSIZE = 4
@@ -288,7 +289,7 @@ def main(argv=None) -> int:
         print_errors(k, e)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"bytes": rows, "errors": errs}, f, indent=1)
+            json.dump({"meta": run_meta(), "bytes": rows, "errors": errs}, f, indent=1)
     return 0
 
 

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from .meta import run_meta
 
 WORKLOADS = {
     # name: (dim, layers, batch, seq)
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
         print_report(report)
         if a.json:
             with open(a.json, "w") as f:
-                json.dump(report, f, indent=1)
+                json.dump({"meta": run_meta(), **report}, f, indent=1)
     finally:
         dist.barrier()
         dist.destroy_process_group()

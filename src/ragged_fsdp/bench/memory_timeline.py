@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from .engine import build, wrap
+from .meta import run_meta
 
 MiB = 2**20
 
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
     print_report(report, a.world)
     os.makedirs(os.path.dirname(a.json) or ".", exist_ok=True)
     with open(a.json, "w") as f:
-        json.dump(report, f, indent=1)
+        json.dump({"meta": run_meta(), "world": a.world, "workloads": report}, f, indent=1)
     return 0
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from .meta import run_meta
 
 
 def _free_port() -> int:
@@ -297,7 +298,7 @@ def main(argv=None) -> dict:
     print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.json").write_text(json.dumps({"meta": run_meta(), **report}, indent=1))
     (out / "report.md").write_text(md)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
     return report

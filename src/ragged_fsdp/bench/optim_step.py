@@ -39,6 +39,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from .engine import _free_port, build
+from .meta import run_meta
 
 
 def _variants(model, model8, mesh, sweep: bool):
@@ -188,8 +189,13 @@ def main(argv=None) -> int:
     report = run(a.world, a.models.split(","), a.rounds, a.steps)
     print_report(a.world, report)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"world": a.world, "rounds": a.rounds, "steps": a.steps, "report": report},
-                                      indent=1))
+    # one flat row per workload and variant (what print_report shows), for renderers
+    rows = [{"workload": kind, "params": r["params"], "local_elements": r["local_elements"], "variant": n,
+             "step_ms": ms, "vs_torch_foreach": r["vs_torch_foreach"][n],
+             "temporaries_bytes": r["temporaries_bytes"].get(n), "runs": r["stats"].get(n, {}).get("runs")}
+            for kind, r in report.items() for n, ms in r["step_ms"].items()]
+    Path(a.out).write_text(json.dumps({"meta": run_meta(), "world": a.world, "rounds": a.rounds, "steps": a.steps,
+                                       "rows": rows, "report": report}, indent=1))
     print(f"\nwrote {a.out}")
     return 0
 

@@ -31,6 +31,7 @@ from ..models.catalog import get_model, list_models, model_specs
 from ..planner import TensorSpec, plan_group, solve_exact, validate_plan
 from ..planner.model import plan_model
 from ..planner.problem import Problem, earliest_start
+from .meta import run_meta
 
 WORLDS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 GRANULARITIES = ["element", "row", "rows:16", "rows:128", "block:256"]
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
         print(_table(rows))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"cells": cells, "summary": summary, "random": trials, "published": published,
+        json.dump({"meta": run_meta(), "cells": cells, "summary": summary, "random": trials, "published": published,
                    "targets": {"gap_pp": 100 * GAP_PP, "low_bound": LOW_BOUND, "low_pad": LOW_PAD,
                                "time_limit_s": TIME_LIMIT}}, f, indent=1)
     print(f"wrote {args.out}")

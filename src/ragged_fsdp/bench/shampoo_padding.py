@@ -25,6 +25,7 @@ from ..models.catalog import get_model, list_models
 from ..optim.shampoo_blocks import shampoo_specs
 from ..planner.model import plan_model
 from ..planner.suggest import suggest
+from .meta import run_meta
 
 
 def largest_b(model_id: str, world: int, target: float, candidates=(1024, 512, 256, 128, 64, 32, 16, 8)):
@@ -82,7 +83,7 @@ def main(argv=None) -> dict:
     print(md)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1))
+    (out / "report.json").write_text(json.dumps({"meta": run_meta(), **report}, indent=1))
     (out / "report.md").write_text(md)
     print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
     return report

@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from ..bench.meta import run_meta
 from ..models.catalog import get_model, group_specs, list_models
 from ..models.parallel import ParallelDims, local_groups, module_map
 from ..planner.baselines import BASELINES, all_baselines
@@ -63,6 +65,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="for cells over 1%% padding, list smaller shard groups (HSDP) or merged groups that cut "
                         "it, each with the DeviceMesh and fully_shard calls that realise it")
     p.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per cell)")
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="also write the cells with the run's conditions ({meta, cells}) to PATH, "
+                        "for python -m ragged_fsdp.bench.render")
     p.add_argument("--list-models", action="store_true", help="list the model ids and exit")
     return p
 
@@ -282,4 +287,7 @@ def run(args) -> int:
     if args.json:
         json.dump(cells, sys.stdout, indent=1)
         sys.stdout.write("\n")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"meta": run_meta(), "cells": cells}, indent=1))
     return 0 if all(c["valid"] for c in cells) else 1
