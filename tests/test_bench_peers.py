@@ -16,14 +16,14 @@ ERR = ("builtins.AssertionError (megatron_fsdp 0.6.1):\n  File \"megatron_fsdp/m
 
 def _doc():
     ok = {"world": 2, "workload": "dense", "status": "ok", "loss": [7.5, 7.25], "loss_ref": [7.5, 7.25],
-          "max_rel_err": 0.0, "agrees": True, "step_ms": 12.5, "vs_fsdp2": 1.0, "peak_bytes": 3 * 2**20,
+          "max_rel_err": 0.0, "agrees": True, "step_ms": 12.5, "step_s": [0.010, 0.015], "vs_fsdp2": 1.0, "peak_bytes": 3 * 2**20,
           "live_bytes": 2**20, "comm_bytes": 2**19}
     rows = [dict(ok, framework="fsdp2", version="2.13.0"),
             dict(ok, framework="ragged_fsdp", version="0.1.0", vs_fsdp2=0.8, agrees=False, max_rel_err=2e-3),
             {"world": 2, "workload": "dense", "framework": "megatron_fsdp", "version": "0.6.1", "status": "error",
              "reason": ERR},
             {"world": 2, "workload": "moe", "framework": "megatron_fsdp", "version": "0.6.1", "status": "error",
-             "reason": ERR},
+             "reason": "  " + ERR.replace("\n", "\n  ")},  # the same error, indented otherwise
             {"world": 2, "workload": "dense", "framework": "deepspeed_zero3", "version": None, "status": "skipped",
              "reason": peers_frameworks.install_hint("deepspeed_zero3")}]
     meta = {"command": "python -m ragged_fsdp.bench.peers --world 2", "date": "2026-12-01 11:00 UTC",
@@ -36,18 +36,19 @@ def _doc():
 def test_render_page_has_conditions_table_and_verbatim_errors():
     page = render_page(_doc(), "# Title", "closing note")
     assert page.startswith("# Title")
-    for needle in ("python -m ragged_fsdp.bench.peers --world 2", "2026-12-01", "torch 2.13.0", "2 CPU cores",
+    for needle in ("python -m ragged_fsdp.bench.peers --world 2", "2026-12-01", "torch 2.13.0", "Megatron-FSDP 0.6.1", "DeepSpeed ZeRO-3 not installed", "2 CPU cores",
                    "no GPU", "loaded by other work", "closing note"):
         assert needle in page, needle
     table = render_table(_doc())
     lines = table.splitlines()
     assert len(lines) == 2 + 5 and len({line.count("|") for line in lines}) == 1  # every row has every column
-    assert "| 2 | dense | ragged_fsdp | 0.1.0 | 7.250000 / 7.250000 | NO (2.0e-03) | 12.5 | 0.80 | 3.00 | 1.00 | 0.50 |" \
+    assert "| 2 | dense | ragged_fsdp | 0.1.0 | 7.250000 / 7.250000 | NO (2.0e-03) | 12 (10-15) | 0.80 | 3.00 | 1.00 | 0.50 |" \
         in lines
     # one section per distinct reason, naming every world/workload it hit, the error verbatim
     assert page.count("### Megatron-FSDP 0.6.1: did not run (W=2 dense, W=2 moe)") == 1
     assert ERR in page
     assert "pip install torch==2.13.0 deepspeed" in page
+    assert "1 of 2 runs follow the single-process losses" in page and "ragged_fsdp 2.0e-03" in page
 
 
 def test_compare_flags_a_step_off_the_reference():

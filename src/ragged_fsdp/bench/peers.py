@@ -124,7 +124,7 @@ def _short_error(exc: BaseException) -> str:
     for p in sorted({os.path.dirname(torch.__path__[0])} | set(sys.path), key=len, reverse=True):
         if p and len(p) > 1:
             text = text.replace(p + os.sep, "")
-    return text.strip()
+    return text.strip("\n").rstrip()
 
 
 def _rank_main(rank: int, world: int, cfg: PeersConfig, port: int, queue) -> None:
@@ -336,7 +336,8 @@ def _parse(argv):
     ap.add_argument("--conditions", default="the machine ran other work at the same time (timings are noisy)",
                     help="what else the machine was doing, printed on the page")
     ap.add_argument("--out", default="out/peers.json")
-    ap.add_argument("--md", default="out/peers.md", help="Markdown page ('' for none)")
+    ap.add_argument("--md", default=None, help="Markdown page ('' for none; default out/peers.md, "
+                    "with --render docs/peers.md)")
     ap.add_argument("--render", metavar="JSON", help="only render --md from this JSON (no run)")
     return ap.parse_args(argv)
 
@@ -344,7 +345,7 @@ def _parse(argv):
 def main(argv=None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if args.render:
-        write(json.loads(Path(args.render).read_text()), None, args.md or "docs/peers.md")
+        write(json.loads(Path(args.render).read_text()), None, "docs/peers.md" if args.md is None else args.md)
         return 0
     fws = tuple(args.frameworks.split(","))
     for fw in fws:
@@ -362,12 +363,15 @@ def main(argv=None) -> int:
     for fw in fws:
         if fw in PEERS and not availability(fw)[0]:
             print(f"peers: skipping {fw}: {install_hint(fw)}")
-    rows = []
+    rows, load = [], [os.getloadavg()[0]]
     for w in cfg.worlds:
         rows += run_world(w, cfg)
+        load.append(os.getloadavg()[0])
     doc = {"metadata": metadata(cfg, command.strip(), args.conditions), "rows": rows}
+    # 1-minute load average at the start and after each launch: how busy the machine was
+    doc["metadata"]["machine"]["load_average"] = [round(x, 1) for x in load]
     print(render_table(doc))
-    write(doc, args.out, args.md)
+    write(doc, args.out, "out/peers.md" if args.md is None else args.md)
     return 0
 
 
