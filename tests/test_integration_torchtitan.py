@@ -289,7 +289,7 @@ def test_cpu_mode_command_line(tmp_path):
         pytest.skip("torchrun not found")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
            "RAGGED_FSDP_ASSETS": str(tmp_path / "assets")}
-    cmd = [torchrun, "--nproc_per_node", "2", "--master_port", "0", "-m", "ragged_fsdp.integrations.torchtitan.cpu",
+    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "ragged_fsdp.integrations.torchtitan.cpu",
            "--module", "ragged_fsdp.integrations.torchtitan", "--config", "llama3_debugmodel",
            "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
            "--validator.no-enable", "--checkpoint.no-enable", "--dump_folder", str(tmp_path / "out")]

@@ -3,10 +3,9 @@
 ranks, fp32, debug models).
 
 One process group of 4 ranks runs every configuration in turn. For each, torchtitan's own
-``Trainer`` with FSDP2 (stock config function) saves its initial state as a seed checkpoint
-and trains ``STEPS`` steps; ragged_fsdp (the ragged module's config function of the same
-name) loads that seed and trains the same steps, both with torchtitan's parallelism settings
-for that configuration; losses and gradient norms (float64 norms of the full gradients, and
+``Trainer`` writes a seed checkpoint with FSDP2, then trains ``STEPS`` steps from it with
+FSDP2 (stock config function) and with ragged_fsdp (the ragged module's config function of
+the same name), both with torchtitan's parallelism settings for that configuration; losses and gradient norms (float64 norms of the full gradients, and
 torchtitan's logged norm) are compared step by step. For HSDP each framework also resumes the other's full checkpoint
 (model, optimizer, data loader, step) for one more step. CPU stand-ins: ragged_fsdp's CPU
 mode (``ragged_fsdp.integrations.torchtitan.cpu``).
@@ -87,11 +86,13 @@ def _run_config(name: str, rank: int) -> None:
     fsdp2_fn, ragged_fn = _registries(model)
     common = dict(assets=os.path.join(root, "assets"), parallelism=par, seq_len=seq_len)
 
-    # FSDP2 saves its initial state (the seed) and trains from it; ragged_fsdp loads that
-    # seed. (One FSDP2 trainer per process: under full_dtensor a second one in the same
-    # process fails in FSDP2's fully_shard with "different mesh objects".)
-    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=STEPS, **common), save_seed=True)
-    seed = f"{base}/fsdp2/checkpoint/step-0"
+    # the seed comes from FSDP2 with partial_dtensor: under full_dtensor, a second FSDP2
+    # trainer in the same process fails in FSDP2's fully_shard ("different mesh objects")
+    seed_par = {**par, "spmd_backend": "partial_dtensor"}
+    h.train(h.build_config(fsdp2_fn, dump=f"{base}/seed", steps=0, **{**common, "parallelism": seed_par}),
+            save_seed=True)
+    seed = f"{base}/seed/checkpoint/step-0"
+    a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=STEPS, load_path=seed, **common))
     b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=STEPS, load_path=seed, **common))
     rep = {"config": [model, par], "steps": _compare(name, a, b, range(1, STEPS + 1)),
            "losses": {"fsdp2": a.losses, "ragged": b.losses},
