@@ -128,8 +128,7 @@ def fully_shard(
                 group.post_forward_comms[b] = node_comm(mesh, raf)
         for _, p, _ in params:
             mark_managed(p)
-        for info in group.infos:
-            mark_sharded(info.sharded)
+        mark_sharded(group)
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)
