@@ -126,8 +126,7 @@ def fully_shard(
         state.group = group
         for _, p, _ in params:
             mark_managed(p)
-        for info in group.infos:
-            mark_sharded(info.sharded)
+        mark_sharded(group)
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)

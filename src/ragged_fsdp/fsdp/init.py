@@ -25,7 +25,7 @@ __all__ = [
 
 _STATE_ATTR = "_ragged_fsdp_state"
 _managed_params: dict[int, weakref.ref] = {}  # id -> original parameters a group took
-_group_sharded: dict[int, weakref.ref] = {}  # id -> sharded parameters a group made
+_group_sharded: dict[int, weakref.ref] = {}  # id of a sharded parameter -> the group that made it
 
 
 def state_of(module: nn.Module):
@@ -42,14 +42,22 @@ def mark_managed(param: nn.Parameter) -> None:
     _managed_params[id(param)] = weakref.ref(param)
 
 
-def mark_sharded(param: nn.Parameter) -> None:
-    """Remember a sharded parameter a group made (it keeps its identity when re-pointed)."""
-    _group_sharded[id(param)] = weakref.ref(param)
+def mark_sharded(group) -> None:
+    """Remember the sharded parameters ``group`` made. Keyed by id with a weak reference to
+    the group, not to the parameter: a weakref on a parameter makes ``swap_tensors`` (which
+    re-points it after ``.to()``) refuse it."""
+    for info in group.infos:
+        _group_sharded[id(info.sharded)] = weakref.ref(group)
+
+
+def _made_by_a_group(p) -> bool:
+    ref = _group_sharded.get(id(p))
+    group = ref() if ref is not None else None
+    return group is not None and any(info.sharded is p for info in group.infos)
 
 
 def _already_sharded(fqn: str, root: nn.Module, p) -> ValueError:
-    ref = _group_sharded.get(id(p))
-    if ref is not None and ref() is p:
+    if _made_by_a_group(p):
         return ValueError(
             f"fully_shard: parameter {fqn!r} of {type(root).__name__} is already sharded by the "
             "fully_shard of an enclosing module. Apply fully_shard bottom-up: children first, "
