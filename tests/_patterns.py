@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _dist import cpu_mesh, full, global_batch
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.device import _in_flight
+from ragged_fsdp.fsdp.device import in_flight
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 
 
@@ -56,7 +56,7 @@ def compare_steps(rank, world, build, wrap, step_fn, *, steps=3, lr=0.05, batch_
         step_fn(ref, tokens, targets, False)
         lo = rank * batch_per_rank
         step_fn(model, tokens[lo:lo + batch_per_rank], targets[lo:lo + batch_per_rank], True)
-        assert not list(_in_flight), f"step {step}: collectives still in flight after backward"
+        assert not in_flight(), f"step {step}: collectives still in flight after backward"
         named = {k.replace("_orig_mod.", ""): v for k, v in model.named_parameters()}
         for name, q in ref.named_parameters():
             p = named[name]

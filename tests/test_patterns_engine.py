@@ -18,7 +18,7 @@ from _dist import check_case, cpu_mesh, run_cases
 from _patterns import HiddenLlama, _ce, _tiny, _wrap_blocks, compare_steps
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.device import _in_flight, drain
+from ragged_fsdp.fsdp.device import drain, in_flight
 from ragged_fsdp.models.llama import Llama
 
 
@@ -311,14 +311,14 @@ def case_unconsumed_prefetch_is_drained(rank, world):
     model.layers[1].set_modules_to_backward_prefetch([model.layers[0]])
     t = torch.randint(0, 96, (2, 8))
     model.loss(t, t).backward()
-    assert not list(_in_flight)
+    assert not in_flight()
     model.reshard()
     for block in model.layers:
         block.reshard()
     handle = model.layers[1].unshard(async_op=True)
-    assert list(_in_flight)
+    assert in_flight()
     drain()
-    assert not list(_in_flight)
+    assert not in_flight()
     handle.wait()
 
 

@@ -25,11 +25,11 @@ from ragged_fsdp.quant import BlockFP8
 
 from .device import device_for
 from .init import (
-    collect_params, default_mesh, mark_managed, mark_sharded, mesh_device, move_buffers, node_comm, param_device,
-    resolve_reshard_after_forward, set_state, state_of, validate_mesh,
+    collect_params, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
+    resolve_reshard_after_forward, set_state, state_of,
 )
 from .consistency import check_same_answers
-from .mesh_info import dp_mesh_of, place_params
+from .mesh_info import place_params, resolve_mesh
 from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
@@ -87,9 +87,8 @@ def fully_shard(
             raise TypeError(f"fully_shard: expected nn.Module(s), got {type(m).__name__}")
         if state_of(m) is not None:
             raise ValueError(f"fully_shard: {type(m).__name__} is already wrapped; apply fully_shard once per module")
-    mesh = mesh if mesh is not None else default_mesh()
-    validate_mesh(mesh, dp_mesh_dims)
-    device = mesh_device(mesh)
+    call_mesh = resolve_mesh(mesh, dp_mesh_dims)
+    mesh, dp, device = call_mesh.mesh, call_mesh.dp, call_mesh.device
     if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
         raise NotImplementedError(
             "fully_shard: offload_policy=CPUOffloadPolicy() on an accelerator mesh is not "
@@ -97,7 +96,6 @@ def fully_shard(
             "OffloadPolicy() or use torch's fully_shard for offloading. On a CPU mesh it is "
             "accepted and changes nothing: everything already lives on the CPU"
         )
-    dp = dp_mesh_of(mesh, dp_mesh_dims)
     raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
     params = collect_params(modules, ignored)

@@ -16,6 +16,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from .mesh_info import mesh_device
+
 __all__ = [
     "describe_layouts", "layout_fingerprint", "check_same_layout", "check_same_answers",
     "LayoutMismatchError",
@@ -45,12 +47,6 @@ def layout_fingerprint(lines: list[str]) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
-def _device(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what: str) -> None:
     """Raise on every rank if any rank failed to plan or planned something else.
 
@@ -62,7 +58,7 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
         return
     lines = [] if error is not None else describe_layouts(layouts, dtypes)
     h = layout_fingerprint(lines) if error is None else 0
-    flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=_device(mesh))
+    flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=mesh_device(mesh))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
     failed, hi, neg_lo = (int(x) for x in flags.tolist())
     if error is not None:
@@ -127,7 +123,7 @@ def check_same_answers(mesh, lines: list[str], error: Exception | None, what: st
         return
     h = layout_fingerprint(lines) if error is None else 0
     n = len(lines) if error is None else 0
-    flags = torch.tensor([int(error is not None), h, -h, n, -n], dtype=torch.int64, device=_device(mesh))
+    flags = torch.tensor([int(error is not None), h, -h, n, -n], dtype=torch.int64, device=mesh_device(mesh))
     _max_over_mesh(flags, mesh)
     failed, hi, neg_lo, n_hi, neg_n_lo = (int(x) for x in flags.tolist())
     if error is not None:

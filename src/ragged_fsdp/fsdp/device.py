@@ -39,12 +39,18 @@ from typing import Any
 
 import torch
 
-__all__ = ["Device", "Pending", "device_for", "drain"]
+__all__ = ["Device", "Pending", "device_for", "drain", "in_flight"]
 
 # Collectives launched and not yet waited for. A process that exits with one of gloo's
 # async works still referenced can abort in the work's destructor during interpreter
 # shutdown ("terminate called without an active exception"), so exit drains them first.
 _in_flight: "weakref.WeakSet[Pending]" = weakref.WeakSet()
+
+
+def in_flight() -> int:
+    """How many collectives the engine launched that nobody has waited for yet (0 after a
+    finished backward; a prefetch or ``unshard(async_op=True)`` not yet consumed counts)."""
+    return len(_in_flight)
 
 
 def drain() -> None:

@@ -13,14 +13,14 @@ import weakref
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import Comm
 from .sharded_param import is_sharded_param
 
 __all__ = [
-    "state_of", "set_state", "mark_managed", "mark_sharded", "default_mesh", "validate_mesh", "mesh_device",
-    "resolve_reshard_after_forward", "node_comm", "collect_params", "walk", "param_device", "move_buffers",
+    "state_of", "set_state", "mark_managed", "mark_sharded", "resolve_reshard_after_forward", "node_comm",
+    "collect_params", "walk", "param_device", "move_buffers",
 ]
 
 _STATE_ATTR = "_ragged_fsdp_state"
@@ -69,52 +69,6 @@ def _already_sharded(fqn: str, root: nn.Module, p) -> ValueError:
         "parameters and lays out the RaggedShard itself: register the full tensor instead (e.g. "
         "nn.Parameter(t.full_tensor())), or a torch DTensor for tensor/expert parallelism"
     )
-
-
-def default_mesh() -> DeviceMesh:
-    if not dist.is_initialized():
-        raise RuntimeError("fully_shard: initialise torch.distributed (or pass mesh=) first")
-    kind = "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()) else "cpu"
-    return init_device_mesh(kind, (dist.get_world_size(),))
-
-
-def validate_mesh(mesh: DeviceMesh, dp_mesh_dims=None) -> None:
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if dp_mesh_dims is None and mesh.ndim > 2:
-        raise ValueError(
-            f"fully_shard: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; pass the 1-D data-parallel "
-            "mesh (FSDP), a 2-D (replicate, shard) mesh (HSDP), or the full mesh together with "
-            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
-        )
-    if dp_mesh_dims is None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise ValueError(
-            "fully_shard: a 2-D mesh means HSDP (dims: replicate, shard); build it with "
-            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-        )
-    if mesh.get_coordinate() is None:
-        raise ValueError(f"fully_shard: this rank ({dist.get_rank()}) is not in the mesh {mesh}")
-    for d in range(mesh.ndim):
-        group = mesh.get_group(d)
-        if dist.get_world_size(group) != mesh.size(d):
-            raise ValueError(
-                f"fully_shard: mesh dim {d} has {mesh.size(d)} ranks but its process group has "
-                f"{dist.get_world_size(group)}; build the mesh from the process group you train on"
-            )
-        backend = str(dist.get_backend(group)).lower()
-        if mesh.device_type == "cpu" and "gloo" not in backend and "cpu:" not in backend:
-            raise ValueError(
-                f"fully_shard: the mesh is on cpu but its process group uses {backend!r}, which "
-                "cannot move CPU tensors; use a gloo process group or a cuda mesh"
-            )
-        if mesh.device_type == "cuda" and "nccl" not in backend and "gloo" not in backend:
-            raise ValueError(f"fully_shard: the mesh is on cuda but its process group uses {backend!r}")
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
 
 
 def resolve_reshard_after_forward(value, W: int) -> bool | int:

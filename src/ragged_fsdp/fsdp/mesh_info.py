@@ -21,16 +21,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from .collectives import Comm
 
 __all__ = [
-    "DPMesh", "ParamPlacement", "dp_mesh_of", "place_param", "shard_placement_mesh", "place_params",
-    "describe_dp", "check_shard_answer", "is_default_mesh",
+    "CallMesh", "DPMesh", "ParamPlacement", "resolve_mesh", "mesh_device", "place_param", "shard_placement_mesh",
+    "place_params", "describe_dp", "check_shard_answer", "is_default_mesh",
 ]
 
 
@@ -57,16 +58,74 @@ def _comm(mesh: DeviceMesh, dim: int) -> Comm:
     return Comm.of(mesh.get_group(dim))
 
 
-def dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims=None) -> DPMesh:
-    if dp_mesh_dims is None:
+@dataclass(eq=False)
+class CallMesh:
+    """What one ``fully_shard`` call's ``mesh``/``dp_mesh_dims`` resolve to, checked once."""
+    mesh: DeviceMesh  # as passed (or the default 1-D world mesh)
+    dp: DPMesh  # its data-parallel dims
+    device: torch.device  # where the sharded state lives
+
+
+def resolve_mesh(mesh: DeviceMesh | None, dp_mesh_dims=None) -> CallMesh:
+    """The one place a ``fully_shard`` mesh is defaulted, validated and split into its
+    data-parallel dims; the group is handed the result and never looks at the raw mesh."""
+    mesh = mesh if mesh is not None else _default_mesh()
+    _validate(mesh, dp_mesh_dims)
+    return CallMesh(mesh, _dp_mesh_of(mesh, dp_mesh_dims), mesh_device(mesh))
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard: initialise torch.distributed (or pass mesh=) first")
+    kind = "cuda" if torch.cuda.is_available() and "nccl" in str(dist.get_backend()) else "cpu"
+    return init_device_mesh(kind, (dist.get_world_size(),))
+
+
+def _validate(mesh: DeviceMesh, dp_mesh_dims=None) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if dp_mesh_dims is None and mesh.ndim > 2:
+        raise ValueError(
+            f"fully_shard: got a {mesh.ndim}-D mesh {mesh.mesh_dim_names}; pass the 1-D data-parallel "
+            "mesh (FSDP), a 2-D (replicate, shard) mesh (HSDP), or the full mesh together with "
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...)"
+        )
+    if dp_mesh_dims is None and mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise ValueError(
+            "fully_shard: a 2-D mesh means HSDP (dims: replicate, shard); build it with "
+            "init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"fully_shard: this rank ({dist.get_rank()}) is not in the mesh {mesh}")
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        if dist.get_world_size(group) != mesh.size(d):
+            raise ValueError(
+                f"fully_shard: mesh dim {d} has {mesh.size(d)} ranks but its process group has "
+                f"{dist.get_world_size(group)}; build the mesh from the process group you train on"
+            )
+        backend = str(dist.get_backend(group)).lower()
+        if mesh.device_type == "cpu" and "gloo" not in backend and "cpu:" not in backend:
+            raise ValueError(
+                f"fully_shard: the mesh is on cpu but its process group uses {backend!r}, which "
+                "cannot move CPU tensors; use a gloo process group or a cuda mesh"
+            )
+        if mesh.device_type == "cuda" and "nccl" not in backend and "gloo" not in backend:
+            raise ValueError(f"fully_shard: the mesh is on cuda but its process group uses {backend!r}")
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+
+def _dp_mesh_of(mesh: DeviceMesh, dp_mesh_dims=None) -> DPMesh:
+    if dp_mesh_dims is None:  # _validate refused more than 2 dims
         if mesh.ndim == 1:
             return DPMesh(mesh, _comm(mesh, 0))
-        if mesh.ndim == 2:
-            return DPMesh(mesh, _comm(mesh, 1), _comm(mesh, 0))
-        raise ValueError(
-            f"fully_shard: mesh has {mesh.ndim} dims {mesh.mesh_dim_names}; pass a 1-D mesh (FSDP), "
-            "a 2-D (replicate, shard) mesh (HSDP), or the full SPMD mesh with dp_mesh_dims="
-        )
+        return DPMesh(mesh, _comm(mesh, 1), _comm(mesh, 0))
     names = mesh.mesh_dim_names
     if names is None:
         raise ValueError("fully_shard: dp_mesh_dims needs a mesh with mesh_dim_names")
@@ -108,7 +167,7 @@ def shard_placement_mesh(result, default: DPMesh, cache: dict) -> DPMesh:
     if key not in cache:
         rep = getattr(info, "replicate_mesh_dim", None)
         if getattr(info, "dp_mesh_dims", None) is not None:
-            cache[key] = dp_mesh_of(info.spmd_mesh, info.dp_mesh_dims)
+            cache[key] = resolve_mesh(info.spmd_mesh, info.dp_mesh_dims).dp
         elif rep is None:
             cache[key] = DPMesh(mesh, _comm(mesh, info.shard_mesh_dim))
         else:
