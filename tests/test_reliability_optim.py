@@ -187,7 +187,29 @@ def case_other_world_size_is_refused_on_every_rank(rank, world):
     torch.distributed.barrier()  # nobody is left in a collective: every rank got here
 
 
-W2 = [case_save_per_rank_files, case_same_ranks_load_exactly, case_swapped_ranks_are_refused_on_every_rank]
+def case_torch_dtensor_params_round_trip(rank, world):
+    """AdamW steps torch DTensors of any layout by torch's own code; their state dict (with
+    the fingerprint) still saves and reloads on the same rank."""
+    import io
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 6), mesh, [Shard(1)]))
+    opt = AdamW([p])
+    p.grad = distribute_tensor(torch.full((4, 6), 0.5), mesh, [Shard(1)])
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    want = opt.state[p]["exp_avg"].to_local().clone()
+    opt.load_state_dict(torch.load(buf, weights_only=False))
+    assert torch.equal(opt.state[p]["exp_avg"].to_local(), want)
+
+
+W2 = [case_save_per_rank_files, case_same_ranks_load_exactly, case_swapped_ranks_are_refused_on_every_rank,
+      case_torch_dtensor_params_round_trip]
 W3 = [case_other_world_size_is_refused_on_every_rank]
 
 

@@ -411,6 +411,10 @@ class Shampoo(Optimizer):
         return r
 
     # -- state dict ------------------------------------------------------------------
+    _HYPERPARAMETERS = ("lr", "betas", "epsilon", "weight_decay", "max_preconditioner_dim", "precondition_frequency",
+                        "start_preconditioning_step", "use_bias_correction", "grafting_type", "grafting_beta2",
+                        "grafting_epsilon", "factor_matrix_dtype")
+
     @staticmethod
     def _state_keys(saved: dict, p):
         need = {"step", "exp_avg"} | ({"exp_avg_sq"} if saved.get("grafting_type") in ("adam", "adagrad") else set())
@@ -432,7 +436,7 @@ class Shampoo(Optimizer):
         from itertools import chain
 
         check_state_dict(self, state_dict, state_keys=self._state_keys,
-                         group_keys=lambda sg, g: tuple(k for k in self.defaults))
+                         group_keys=lambda sg, g: self._HYPERPARAMETERS)
         check_layout(self, state_dict)
 
         held, saved_ids = load_scalars(self, state_dict)
