@@ -14,10 +14,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 # local disk (a CUDA build; it runs on the CPU); only pytest and hypothesis come with it.
 VENV214 := .venv-torch214
 STAMP214 := $(VENV214)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-TORCH214_TESTS := tests/test_placement.py tests/test_placement_dist.py tests/test_placement_nd.py \
-	tests/test_patterns_placement.py tests/test_fsdp_numerics.py tests/test_patterns_engine.py \
-	tests/test_checkpoint.py tests/test_patterns_checkpoint.py tests/test_optim_api.py \
-	tests/test_optim_dist.py tests/test_reliability_engine.py
+TORCH214_TESTS := tests/test_placement.py tests/test_placement_dist.py tests/test_fsdp_numerics.py \
+	tests/test_patterns_engine.py tests/test_checkpoint.py tests/test_optim_api.py
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -7,6 +7,7 @@ for a test and records each step's loss, gradient norms, step time and the final
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass, field
 
@@ -122,3 +123,37 @@ def train(cfg, *, save_seed: bool = False) -> RunResult:
         dist_utils.clip_grad_norm_ = clip
         trainer.close()
     return res
+
+
+def registries(model: str):
+    """torchtitan's debug-model config function and ragged_fsdp's twin of it."""
+    reg = importlib.import_module(f"torchtitan.models.{model}.config_registry")
+    ragged = importlib.import_module("ragged_fsdp.integrations.torchtitan")
+    name = f"{model}_debugmodel"
+    return getattr(reg, name), getattr(ragged, name)
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare_runs(what: str, a, b, steps, *, loss_rtol: float, norm_rtol: float, logged_rtol: float,
+                 param_atol: float | None = None, exact_logged_norm: bool = False) -> dict:
+    """Worst relative differences of run ``b`` (ragged_fsdp) from run ``a`` (FSDP2) over
+    ``steps``, asserted against the bounds; ``param_atol`` also bounds the final parameters."""
+    report = {"loss_rel": 0.0, "grad_norm_rel": 0.0, "logged_norm_rel": 0.0}
+    assert sorted(a.losses) == sorted(b.losses) == list(steps), (what, a.losses, b.losses)
+    for s in steps:
+        report["loss_rel"] = max(report["loss_rel"], rel(b.losses[s], a.losses[s]))
+        report["grad_norm_rel"] = max(report["grad_norm_rel"], rel(b.exact_grad_norms[s], a.exact_grad_norms[s]))
+        report["logged_norm_rel"] = max(report["logged_norm_rel"], rel(b.grad_norms[s], a.grad_norms[s]))
+        if exact_logged_norm:  # ragged_fsdp's logged norm is the exact one (float64 accumulation)
+            assert rel(b.grad_norms[s], b.exact_grad_norms[s]) <= 1e-6, (what, s, b.grad_norms[s], b.exact_grad_norms[s])
+    assert report["loss_rel"] <= loss_rtol, (what, a.losses, b.losses)
+    assert report["grad_norm_rel"] <= norm_rtol, (what, a.exact_grad_norms, b.exact_grad_norms)
+    assert report["logged_norm_rel"] <= logged_rtol, (what, a.grad_norms, b.grad_norms)
+    assert set(a.params) == set(b.params), (what, set(a.params) ^ set(b.params))
+    if param_atol is not None:
+        report["param_abs"] = max((a.params[k] - b.params[k]).abs().max().item() for k in a.params)
+        assert report["param_abs"] <= param_atol, (what, report["param_abs"])
+    return report

@@ -11,7 +11,6 @@ are resumed by the other. CPU stand-ins: ragged_fsdp's CPU mode
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -32,35 +31,7 @@ PARAM_ATOL = 2e-4
 # torchtitan's logged norm: FSDP2 sums fp32 per-shard norms; ragged_fsdp accumulates in
 # float64, so the two logged values differ by fp32 rounding of the FSDP2 side (~5e-5).
 LOGGED_NORM_RTOL = 5e-4
-
-
-def _registries(model: str):
-    reg = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-    ragged = importlib.import_module("ragged_fsdp.integrations.torchtitan")
-    name = f"{model}_debugmodel"
-    return getattr(reg, name), getattr(ragged, name)
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def _compare_runs(what: str, a, b, steps) -> dict:
-    report = {"loss_rel": 0.0, "grad_norm_rel": 0.0, "logged_norm_rel": 0.0}
-    assert sorted(a.losses) == sorted(b.losses) == list(steps), (what, a.losses, b.losses)
-    for s in steps:
-        report["loss_rel"] = max(report["loss_rel"], _rel(b.losses[s], a.losses[s]))
-        report["grad_norm_rel"] = max(report["grad_norm_rel"], _rel(b.exact_grad_norms[s], a.exact_grad_norms[s]))
-        report["logged_norm_rel"] = max(report["logged_norm_rel"], _rel(b.grad_norms[s], a.grad_norms[s]))
-        # ragged_fsdp's logged norm is the exact one (float64 accumulation)
-        assert _rel(b.grad_norms[s], b.exact_grad_norms[s]) <= 1e-6, (what, s, b.grad_norms[s], b.exact_grad_norms[s])
-    assert report["loss_rel"] <= LOSS_RTOL, (what, a.losses, b.losses)
-    assert report["grad_norm_rel"] <= NORM_RTOL, (what, a.exact_grad_norms, b.exact_grad_norms)
-    assert report["logged_norm_rel"] <= LOGGED_NORM_RTOL, (what, a.grad_norms, b.grad_norms)
-    assert set(a.params) == set(b.params), (what, set(a.params) ^ set(b.params))
-    report["param_abs"] = max((a.params[k] - b.params[k]).abs().max().item() for k in a.params)
-    assert report["param_abs"] <= PARAM_ATOL, (what, report["param_abs"])
-    return report
+BOUNDS = dict(loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL, logged_rtol=LOGGED_NORM_RTOL, param_atol=PARAM_ATOL, exact_logged_norm=True)
 
 
 def _train_both_ways(model: str, rank: int, world: int) -> None:
@@ -72,7 +43,7 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
     # RAGGED_TT_CHUNKED=0 compares with torchtitan's plain cross-entropy loss instead.
     chunked = os.environ.get("RAGGED_TT_CHUNKED", "1") == "1"
     base = os.path.join(root, model)
-    fsdp2_fn, ragged_fn = _registries(model)
+    fsdp2_fn, ragged_fn = h.registries(model)
     common = dict(assets=os.path.join(root, "assets"), chunked_loss=chunked)
     N = STEPS
 
@@ -83,7 +54,7 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
     # N steps with each framework from the seed; each saves its full state at step N
     a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=N, load_path=seed, **common))
     b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=N, load_path=seed, **common))
-    rep = {"steps": _compare_runs("train", a, b, range(1, N + 1))}
+    rep = {"steps": h.compare_runs("train", a, b, range(1, N + 1), **BOUNDS)}
     rep["losses"] = {"fsdp2": a.losses, "ragged": b.losses}
     rep["exact_grad_norms"] = {"fsdp2": a.exact_grad_norms, "ragged": b.exact_grad_norms}
     rep["logged_grad_norms"] = {"fsdp2": a.grad_norms, "ragged": b.grad_norms}
@@ -93,7 +64,7 @@ def _train_both_ways(model: str, rank: int, world: int) -> None:
     c = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged_from_fsdp2", load_path=f"{base}/fsdp2/checkpoint/step-{N}", **full))
     d = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2_from_ragged", load_path=f"{base}/ragged/checkpoint/step-{N}", **full))
     assert list(c.losses) == list(d.losses) == [N + 1], (c.losses, d.losses)  # resumed at step N
-    rep["resume"] = _compare_runs("resume", d, c, [N + 1])
+    rep["resume"] = h.compare_runs("resume", d, c, [N + 1], **BOUNDS)
 
     out = os.environ.get("RAGGED_TT_REPORT")
     if out and rank == 0:

@@ -16,7 +16,6 @@ each configuration's numbers (and step times) to ``PREFIX.<name>.json``.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 
@@ -33,6 +32,7 @@ NORM_RTOL = 1e-3  # the issue's bound; measured values are in docs/integrations.
 # torchtitan's logged norm: FSDP2 sums fp32 per-shard norms; ragged_fsdp accumulates in
 # float64, so the logged values differ by the FSDP2 side's fp32 rounding
 LOGGED_NORM_RTOL = 1e-3
+BOUNDS = dict(loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL, logged_rtol=LOGGED_NORM_RTOL)
 
 # name: (model, torchtitan parallelism settings, sequence length, cross-framework resume)
 CONFIGS = {
@@ -52,38 +52,13 @@ def _selected():
     return [n for n in CONFIGS if not only or n in only.split(",")]
 
 
-def _registries(model: str):
-    reg = importlib.import_module(f"torchtitan.models.{model}.config_registry")
-    ragged = importlib.import_module("ragged_fsdp.integrations.torchtitan")
-    name = f"{model}_debugmodel"
-    return getattr(reg, name), getattr(ragged, name)
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def _compare(what: str, a, b, steps) -> dict:
-    rep = {"loss_rel": 0.0, "grad_norm_rel": 0.0, "logged_norm_rel": 0.0}
-    assert sorted(a.losses) == sorted(b.losses) == list(steps), (what, a.losses, b.losses)
-    for s in steps:
-        rep["loss_rel"] = max(rep["loss_rel"], _rel(b.losses[s], a.losses[s]))
-        rep["grad_norm_rel"] = max(rep["grad_norm_rel"], _rel(b.exact_grad_norms[s], a.exact_grad_norms[s]))
-        rep["logged_norm_rel"] = max(rep["logged_norm_rel"], _rel(b.grad_norms[s], a.grad_norms[s]))
-    assert rep["loss_rel"] <= LOSS_RTOL, (what, a.losses, b.losses)
-    assert rep["grad_norm_rel"] <= NORM_RTOL, (what, a.exact_grad_norms, b.exact_grad_norms)
-    assert rep["logged_norm_rel"] <= LOGGED_NORM_RTOL, (what, a.grad_norms, b.grad_norms)
-    assert set(a.params) == set(b.params), (what, set(a.params) ^ set(b.params))
-    return rep
-
-
 def _run_config(name: str, rank: int) -> None:
     import _torchtitan_cpu as h
 
     model, par, seq_len, resume = CONFIGS[name]
     root = os.environ["RAGGED_TT_ROOT"]
     base = os.path.join(root, name)
-    fsdp2_fn, ragged_fn = _registries(model)
+    fsdp2_fn, ragged_fn = h.registries(model)
     common = dict(assets=os.path.join(root, "assets"), parallelism=par, seq_len=seq_len)
 
     # the seed comes from FSDP2 with partial_dtensor: under full_dtensor, a second FSDP2
@@ -94,7 +69,7 @@ def _run_config(name: str, rank: int) -> None:
     seed = f"{base}/seed/checkpoint/step-0"
     a = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2", steps=STEPS, load_path=seed, **common))
     b = h.train(h.build_config(ragged_fn, dump=f"{base}/ragged", steps=STEPS, load_path=seed, **common))
-    rep = {"config": [model, par], "steps": _compare(name, a, b, range(1, STEPS + 1)),
+    rep = {"config": [model, par], "steps": h.compare_runs(name, a, b, range(1, STEPS + 1), **BOUNDS),
            "losses": {"fsdp2": a.losses, "ragged": b.losses},
            "exact_grad_norms": {"fsdp2": a.exact_grad_norms, "ragged": b.exact_grad_norms},
            "logged_grad_norms": {"fsdp2": a.grad_norms, "ragged": b.grad_norms},
@@ -106,7 +81,7 @@ def _run_config(name: str, rank: int) -> None:
         d = h.train(h.build_config(fsdp2_fn, dump=f"{base}/fsdp2_from_ragged",
                                    load_path=f"{base}/ragged/checkpoint/step-{STEPS}", **full))
         assert list(c.losses) == list(d.losses) == [STEPS + 1], (c.losses, d.losses)
-        rep["resume"] = _compare(f"{name} resume", d, c, [STEPS + 1])
+        rep["resume"] = h.compare_runs(f"{name} resume", d, c, [STEPS + 1], **BOUNDS)
     out = os.environ.get("RAGGED_TT_REPORT")
     if out and rank == 0:
         with open(f"{out}.{name}.json", "w") as f:

@@ -20,17 +20,11 @@ __all__ = ["RaggedShard", "Box", "same_layout", "even_units"]
 
 
 class RaggedShard(RaggedUnits, Placement):
-    """Uneven, block-granular sharding on one mesh dimension.
+    """Uneven, block-granular sharding on one mesh dimension, as a DTensor placement.
 
-    Args:
-        dims: a prefix ``(0, ..., k-1)`` of the tensor dims flattened into the sharded axis;
-            ``()`` makes the whole tensor a single unit.
-        local_units: units held by each rank of the mesh dimension (zeros allowed).
-        unit: entries of the flattened axis per unit (the block size along that axis); the
-            last unit of the axis may be partial.
-
-    Two placements are *structurally* equal when all three fields match (a planner's
-    :class:`RaggedUnits` compares equal to the RaggedShard with the same fields). Whether two
+    The fields (``dims``, ``local_units``, ``unit``) and their meaning are those of
+    :class:`ragged_fsdp.ragged_units.RaggedUnits`, the planner's pure form of the same
+    placement, which compares equal to the RaggedShard with the same fields. Whether two
     placements give every rank the same element range also depends on the tensor shape;
     ``same_layout(a, b, shape)`` answers that, and DTensor specs compare that way.
     """
