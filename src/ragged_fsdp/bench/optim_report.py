@@ -21,7 +21,11 @@ recipe (data, warmup, clipping, weight decay 0.1, betas (0.9, 0.95)) for ``--ste
 fp32 AdamW and with AdamW8bit (and Muon with ``--muon-loss``, Shampoo with ``--shampoo-loss``);
 final losses compared.
 
-Writes ``report.json`` and ``report.md`` under ``--out`` and prints the tables.
+Writes ``report.json`` and ``report.md`` under ``--out`` (``--json PATH`` moves the JSON) and
+prints the tables. Besides the nested results the JSON has flat ``rows`` (``rows.muon``,
+``rows.adamw8bit``, ``rows.shampoo_steps``, ``rows.shampoo_ranks``, ``rows.shampoo``,
+``rows.loss``) that ``python -m ragged_fsdp.bench.render`` turns into the tables of
+``docs/optimizers.md``.
 """
 
 from __future__ import annotations
@@ -256,7 +260,10 @@ def main(argv=None) -> dict:
                    help="comma list for part 2 instead of the above (adamw first), e.g. adamw,muon,shampoo")
     p.add_argument("--skip-loss", action="store_true", help="only part 1")
     p.add_argument("--out", default="out/optim_report")
+    p.add_argument("--json", default=None, help="write the JSON here instead of OUT/report.json")
     args = p.parse_args(argv)
+    if args.world < 1:
+        raise SystemExit(f"--world must be >= 1, got {args.world}")
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -298,10 +305,59 @@ def main(argv=None) -> dict:
     print(md)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps({"meta": run_meta(), **report}, indent=1))
+    js = Path(args.json) if args.json else out / "report.json"
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps({"meta": _meta(), **report, "rows": flat_rows(report)}, indent=1) + "\n")
     (out / "report.md").write_text(md)
-    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+    print(f"wrote {out / 'report.md'} and {js}")
     return report
+
+
+def _meta() -> dict:
+    meta = run_meta()
+    load = meta.get("load_average")
+    if load and float(load.split()[0]) > (meta.get("cpu_cores") or 1):
+        # times move with the load; flops, bytes, state sizes and tile counts do not
+        meta["note"] = (f"Load average above the {meta['cpu_cores']} cores: step times are noisy; "
+                        "flops, bytes, state sizes and tile counts do not depend on load.")
+    return meta
+
+
+def flat_rows(report: dict) -> dict:
+    """The report as flat rows, one list (or one object) per table, for ``bench.render``."""
+    d = report["distributed"]
+    rows: dict = {"muon": []}
+    for label, m in d["muon"].items():
+        rows["muon"].append({
+            "layout": label, "matrices": m["matrices"],
+            "ns_flops_max_over_mean": m["ns_flops_max_over_mean"],
+            "bytes_sent_max": max(m["bytes_sent_per_rank"]),
+            "allgather_bytes_sent_max": max(m["allgather_bytes_sent_per_rank"]),
+            "bytes_ratio_vs_allgather": m["bytes_ratio_vs_allgather"],
+            "step_s": m["step_s"], "adamw_step_s": d["adamw_step_s"],
+            "step_ratio_vs_adamw": m["step_ratio_vs_adamw"],
+        })
+    rows["adamw8bit"] = dict(d["adamw8bit"], adamw_step_s=d["adamw_step_s"])
+    s = d["shampoo"]
+    rows["shampoo_steps"] = [
+        {"step": name, "step_s": s[f"step_s_{k}"], "step_ratio_vs_adamw": s[f"step_ratio_vs_adamw_{k}"],
+         "adamw_step_s": d["adamw_step_s"]}
+        for k, name in (("no_root", "without root recomputation"),
+                        ("with_root", "with root recomputation (eigh)"),
+                        ("amortised", f"amortised, roots every {s['precondition_frequency']} steps"))]
+    rows["shampoo_ranks"] = [{"rank": r, "eigh_flops": f, "state_bytes": b}
+                             for r, (f, b) in enumerate(zip(s["eigh_flops_per_rank"], s["state_bytes_per_rank"]))]
+    rows["shampoo"] = {k: s[k] for k in ("max_preconditioner_dim", "precondition_frequency", "tiles",
+                                          "tiles_cut_by_fsdp2_shard0", "eigh_flops_max_over_mean",
+                                          "state_bytes", "adamw_state_bytes", "state_ratio")}
+    rows["shampoo"]["world"] = d["world"]
+    rows["shampoo"]["params"] = d["adamw8bit"]["params"]
+    if "loss" in report:
+        l = report["loss"]  # noqa: E741
+        rows["loss"] = [{"optimizer": n, "steps": l["steps"], "held_out": l["held_out"][n],
+                         "rel_diff_vs_adamw": l["rel_diff_vs_adamw"][n], "final_train": l["final_train"][n],
+                         "mean_last_10_train": l["mean_last_10_train"][n]} for n in l["held_out"]]
+    return rows
 
 
 def _markdown(report: dict) -> str:
