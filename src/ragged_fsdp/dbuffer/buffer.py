@@ -184,10 +184,16 @@ class DBuffer:
         return slot
 
     # -- gradient buffers ----------------------------------------------------------------
-    def alloc_grad(self) -> torch.Tensor:
-        """A zeroed unsharded gradient buffer with per-slot aliases (see :meth:`grad_view`)."""
+    def alloc_grad(self, allocate=None) -> torch.Tensor:
+        """A zeroed unsharded gradient buffer with per-slot aliases (see :meth:`grad_view`).
+        ``allocate(numel, dtype, device)``, if given, provides its memory (a custom
+        reduce-scatter's ``allocate``)."""
         if self.grad is None:
-            self.grad = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.device)
+            if allocate is None:
+                self.grad = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.device)
+            else:
+                self.grad = allocate(self.layout.total, self.reduce_dtype, self.device)
+                self.grad.zero_()
             self._grad_views = [_alias(self.grad, s.offset, s.shape) for s in self.slots]
             self._grad_versions = [v._version for v in self._grad_views]
         return self.grad

@@ -1,5 +1,6 @@
 """The training engine: a drop-in ``fully_shard`` built on DBuffers."""
 from .api import FSDPModule, UnshardHandle, fully_shard
+from .extension import register_fsdp_forward_method
 from .tracing import Event, Trace, trace
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "trace", "Trace", "Event"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "trace", "Trace", "Event"]

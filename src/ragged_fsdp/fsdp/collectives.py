@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ragged_fsdp.dbuffer import DBuffer
 
 from .device import Device, Pending
+from .extension import adopt_or_none, checked_alloc
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 
@@ -45,13 +46,17 @@ class _Both:
 
 
 def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,
-               lane: str = "all_gather") -> Pending | None:
+               lane: str = "all_gather", custom=None) -> Pending | None:
     """Fill ``buf``'s unsharded buffer from every rank's segment (or, with ``inp``, from
     equal contiguous parts the ranks of ``comm`` kept). Returns None when there is nothing
-    to gather (the unsharded buffer is the sharded segment)."""
+    to gather (the unsharded buffer is the sharded segment). ``custom``: a comm set by
+    ``set_custom_all_gather`` (see :func:`_custom_all_gather`)."""
     if buf.aliased:
         return None
-    out = buf.alloc_unsharded()  # allocated in the compute stream's order
+    if custom is not None:
+        return _custom_all_gather(device, comm, buf, inp, lane, custom)
+    with device.allocating(lane):
+        out = buf.alloc_unsharded()  # allocated in the compute stream's order (see Device.allocating)
     # The unsharded parameters are views of `out`; autograd must not see the all-gather as
     # an in-place change of tensors it saved for backward. The version moves both when the
     # op is issued and (gloo) when its work is waited on, so restore it after both.
@@ -68,6 +73,47 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
     return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp), out=(out,))
+
+
+def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None, lane: str,
+                       custom) -> Pending:
+    """The all-gather through a user comm: its ``allocate`` gives the unsharded buffer's
+    memory (moved into the buffer's storage, so the parameters' views see the result with
+    no copy; a comm that keeps the tensor it hands out gets gathered into and copied out of),
+    and ``custom(output_tensor=, input_tensor=, group=, async_op=)`` runs the collective."""
+    flat = buf.unsharded
+    staging = t = None
+    with device.allocating(lane):
+        if flat.device.type != "meta" and flat.untyped_storage().nbytes() == 0:
+            t = checked_alloc(custom, "set_custom_all_gather", flat.numel(), flat.dtype, flat.device)
+            if not adopt_or_none(flat, t):
+                staging = t
+        del t
+        out = buf.alloc_unsharded()
+    dest = out if staging is None else staging
+    version = out._version
+
+    def issue(async_op: bool):
+        with torch.autograd._unsafe_preserve_version_counter(out):
+            if inp is not None:
+                src = inp
+            elif buf.compute_dtype == buf.dtype:
+                src = buf.sharded
+            else:  # the cast goes into this rank's slot of the output (an in-place all-gather)
+                src = dest.narrow(0, buf.rank * buf.segment, buf.segment)
+                src.copy_(buf.sharded)
+            if comm.world_size == 1:
+                return None
+            return custom(output_tensor=dest, input_tensor=src, group=comm.group, async_op=async_op)
+
+    def finish():
+        if staging is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(staging)
+        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+
+    keep = (out, buf.sharded if inp is None else inp) + (() if staging is None else (staging,))
+    return device.launch(lane, issue, post=finish, keep=keep, out=(dest,))
 
 
 # On gloo a reduction receives the W-1 other pieces of this rank's segment at once: (W-1)/W
@@ -126,10 +172,14 @@ def reduce_scatter(
     accumulate: bool,
     divide_factor: float | None = None,
     lane: str = "reduce_scatter",
+    custom=None,
 ) -> Pending:
     """Reduce the unsharded gradient buffer ``grad`` (``W*S``) over ranks into ``target``
     (this rank's ``S``-element sharded gradient segment): ``target = mean`` or, with
-    ``accumulate``, ``target += mean``. ``divide_factor`` replaces the world size."""
+    ``accumulate``, ``target += mean``. ``divide_factor`` replaces the world size.
+    ``custom``: a comm set by ``set_custom_reduce_scatter``, called as ``custom(output_tensor=,
+    input_tensor=grad, group=, op=ReduceOp.SUM, async_op=)`` into ``target`` (or a segment
+    from its ``allocate`` when the result is cast or accumulated); the divide follows."""
     W = comm.world_size
     S = target.numel()
     factor = float(divide_factor or W)
@@ -146,6 +196,23 @@ def reduce_scatter(
     if W == 1:
         return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target),
                              out=(target,))
+
+    if custom is not None:
+        direct = not accumulate and grad.dtype == target.dtype
+        out = target if direct else checked_alloc(custom, "set_custom_reduce_scatter", S, grad.dtype, grad.device)
+
+        def issue_custom(async_op: bool):
+            return custom(output_tensor=out, input_tensor=grad, group=comm.group, op=dist.ReduceOp.SUM,
+                          async_op=async_op)
+
+        def post_custom():
+            if direct:
+                if factor != 1.0:
+                    target.mul_(1.0 / factor)
+            else:
+                finish(out, False)
+
+        return device.launch(lane, issue_custom, post=post_custom, keep=(grad, out, target), out=(out, target))
 
     if comm.gloo and (W - 1) * S * grad.element_size() > GLOO_RECEIVE_BOUND_BYTES:
         return device.launch(lane, lambda async_op: _gloo_reduce_chunked(comm, grad, target, accumulate, factor),

@@ -32,6 +32,7 @@ and after the wait their frees are ordered on the compute stream.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import weakref
 
 from collections.abc import Callable, Sequence
@@ -111,6 +112,21 @@ class Device:
     def __init__(self, device: torch.device):
         self.device = device
 
+    # -- what users plug in (set_all_reduce_hook's stream, set_post_optim_event) -------------
+    def use_stream(self, lane: str, stream) -> None:
+        """Run ``lane``'s work on ``stream`` (CPU: there are no streams; the host order is
+        the order)."""
+
+    def order_after(self, event, lane: str) -> None:
+        """The next launch on ``lane`` follows ``event`` instead of the compute stream. On
+        the host the event is waited for now (its work is already done when the engine
+        runs: CPU ops are synchronous)."""
+        event.synchronize()
+
+    def allocating(self, lane: str):
+        """Where to allocate memory that ``lane``'s next launch writes first."""
+        return contextlib.nullcontext()
+
     def launch(self, lane: str, comm: Comm, post: Callable[[], None] | None = None,
                keep: Sequence[torch.Tensor] = (), after: Pending | None = None,
                pre: Callable[[], None] | None = None, out: Sequence[torch.Tensor] = ()) -> Pending:
@@ -131,6 +147,24 @@ class CudaDevice(Device):
     def __init__(self, device: torch.device):
         super().__init__(device)
         self._streams: dict[str, torch.cuda.Stream] = {}
+        self._events: dict[str, Any] = {}  # lane -> the event its next launch waits on
+
+    def use_stream(self, lane: str, stream) -> None:
+        if stream is None:
+            self._streams.pop(lane, None)
+        else:
+            self._streams[lane] = stream
+
+    def order_after(self, event, lane: str) -> None:
+        self._events[lane] = event
+
+    def allocating(self, lane: str):
+        # A launch that waits on an event instead of the compute stream must not write
+        # memory the caching allocator handed out in the compute stream's order (work
+        # queued there after the event may still use it): allocate it on the lane.
+        if lane in self._events:
+            return torch.cuda.stream(self.stream(lane))
+        return contextlib.nullcontext()
 
     def stream(self, lane: str) -> "torch.cuda.Stream":
         s = self._streams.get(lane)
@@ -143,7 +177,11 @@ class CudaDevice(Device):
                keep: Sequence[torch.Tensor] = (), after: Pending | None = None,
                pre: Callable[[], None] | None = None, out: Sequence[torch.Tensor] = ()) -> Pending:
         stream = self.stream(lane)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = self._events.pop(lane, None)
+        if event is not None:  # set_post_optim_event: after the optimizer step, not all compute
+            stream.wait_event(event)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         if after is not None and after._event is not None:
             stream.wait_event(after._event)  # the earlier collective's lane, not the host
         with torch.cuda.stream(stream):

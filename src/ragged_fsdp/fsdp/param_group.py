@@ -40,6 +40,7 @@ from .backward import BackwardNeeds, ForwardRecord
 from .build import build_units
 from .common import ShardedState, TrainingState
 from .device import Device, Pending
+from .extension import CommHooks
 from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
@@ -98,9 +99,12 @@ class ParamGroup:
         self.units: list[Unit] = []
         self.infos: list[ParamInfo] = []
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
+        self.hooks = CommHooks()  # set_custom_all_gather / _reduce_scatter, set_all_reduce_hook
+        self.post_optim_event = None  # set_post_optim_event: the next all-gather waits on it
         self._build(params, placed, granularity_fn)
         for u in self.units:
             u.post_forward_comm = post_forward_comm
+            u.hooks = self.hooks
 
     @property
     def buffers(self) -> list[DBuffer]:
@@ -157,8 +161,15 @@ class ParamGroup:
             return
         self.check_materialized()
         from_kept = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
+        event, self.post_optim_event = self.post_optim_event, None
+        pend = []
         with record_function("ragged_fsdp::all_gather"):
-            pend = [u.gather(self.dev, from_kept) for u in todo]
+            for u in todo:
+                # set_post_optim_event: each buffer's gather of the sharded segment follows
+                # the optimizer's event (a quantised gather allocates ahead: compute order)
+                if event is not None and not from_kept and not u.buf.quant and not u.buf.aliased:
+                    self.dev.order_after(event, "all_gather")
+                pend.append(u.gather(self.dev, from_kept))
         self._gathering = [p for p in pend if p is not None]
         self._gathered_now = todo
 

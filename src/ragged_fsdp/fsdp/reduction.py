@@ -33,6 +33,7 @@ import torch.distributed as dist
 from . import tracing as trace
 from .collectives import all_reduce, reduce_scatter
 from .device import Device, Pending
+from .extension import HOOK_LANE, checked_alloc
 from .mesh_info import DPMesh
 from .unit import Unit
 
@@ -87,6 +88,34 @@ class PartialSum:
             self.phase = Phase.DONE
 
     wait = finish_scatter
+
+
+def _segment(unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+    """A segment-sized staging tensor for a reduction's result (from the custom
+    reduce-scatter's ``allocate`` when one is set)."""
+    buf, rs = unit.buf, unit.hooks.reduce_scatter
+    if rs is not None:
+        return checked_alloc(rs, "set_custom_reduce_scatter", buf.segment, dtype, buf.device)
+    return torch.empty(buf.segment, dtype=dtype, device=buf.device)
+
+
+def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                after: Pending | None) -> Pending:
+    """FSDP (no replicate dim): run the all-reduce hook on the reduced segment ``out`` once
+    the reduction ``after`` finished, then cast or add it into ``target`` if it is not
+    ``target``. Its own lane (the user's stream, when set_all_reduce_hook got one), as FSDP2
+    runs its hook on the all-reduce stream."""
+    hooks = unit.hooks
+    hook = hooks.all_reduce_hook
+
+    def run() -> None:
+        hook(out)
+        if out is not target:
+            src = out if out.dtype == target.dtype else out.to(target.dtype)
+            target.add_(src) if accumulate else target.copy_(src)
+
+    lane = HOOK_LANE if hooks.hook_stream is not None else "all_reduce"
+    return dev.launch(lane, lambda async_op: None, post=run, keep=(out, target), after=after, out=(target,))
 
 
 @dataclass
@@ -150,19 +179,32 @@ class Reductions:
         if dp.replicate is not None:
             return self._reduce_hsdp(dev, unit, grad, touched, settings, prev, early)
         factor = settings.divide_factor
-        if prev is not None:
-            pending = reduce_scatter(dev, dp.shard, grad, prev.target, True, factor)
-            return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True))
-        had, existing = unit.existing_grads()
-        if not existing:
-            if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None:
-                # nothing to reduce: the unsharded gradient buffer is the sharded one
-                return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early), queued=False)
-            target, accumulate = buf.new_sharded_grad(), False
+        rs, hooked = unit.hooks.reduce_scatter, unit.hooks.all_reduce_hook is not None
+        if prev is not None:  # late gradients of an early-reduced unit: add them in
+            if not hooked:
+                pending = reduce_scatter(dev, dp.shard, grad, prev.target, True, factor, custom=rs)
+                return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True))
+            had, target, accumulate, early = prev.had_grad, prev.target, True, True
         else:
-            target, accumulate = unit.accumulation_target(existing), True
-        pending = reduce_scatter(dev, dp.shard, grad, target, accumulate, factor)
-        self._add(Reduction(unit, pending, target, touched, had, dp, early=early))
+            had, existing = unit.existing_grads()
+            if not existing:
+                if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None:
+                    # nothing to reduce: the unsharded gradient buffer is the sharded one
+                    stage = _hook_stage(dev, unit, grad, grad, False, None) if hooked else None
+                    return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early, replicate=stage),
+                                     queued=False)
+                target, accumulate = buf.new_sharded_grad(), False
+            else:
+                target, accumulate = unit.accumulation_target(existing), True
+        if not hooked:
+            pending = reduce_scatter(dev, dp.shard, grad, target, accumulate, factor, custom=rs)
+            return self._add(Reduction(unit, pending, target, touched, had, dp, early=early))
+        # the hook sees this reduction's result alone (before it is cast or added into
+        # gradients accumulated earlier), as FSDP2's hook sees its reduce-scatter output
+        out = target if not accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
+        pending = reduce_scatter(dev, dp.shard, grad, out, False, factor, custom=rs)
+        stage = _hook_stage(dev, unit, out, target, accumulate, pending)
+        self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage))
 
     def _reduce_hsdp(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
                      prev: Reduction | None, early: bool) -> None:
@@ -177,14 +219,14 @@ class Reductions:
         if earlier_touched is not None:
             touched = [x or y for x, y in zip(touched, earlier_touched)]
         if not settings.requires_all_reduce:
-            partial = torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+            partial = _segment(unit, grad.dtype)
 
             def keep():
                 if earlier is not None:
                     partial.add_(earlier)
                 unit.partial, unit.partial_touched = partial, touched
 
-            first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0)
+            first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0, custom=unit.hooks.reduce_scatter)
             self.in_flight.append(PartialSum(unit, first, keep))
             trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early)
             return
@@ -197,15 +239,25 @@ class Reductions:
         # the common case (nothing accumulates, same dtype): reduce straight into the new
         # sharded gradient segment and all-reduce it in place: no second segment, no copy
         direct = earlier is None and not existing and grad.dtype == buf.dtype
-        partial = target if direct else torch.empty(buf.segment, dtype=grad.dtype, device=grad.device)
+        partial = target if direct else _segment(unit, grad.dtype)
         factor = float(settings.divide_factor or dp.size)
-        first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0)
+        first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0, custom=unit.hooks.reduce_scatter)
 
         def before() -> None:
             if earlier is not None:
                 partial.add_(earlier)
 
+        hook = unit.hooks.all_reduce_hook
+
         def after() -> None:
+            if hook is not None:  # the hook sees the divided sum before it lands in the grads
+                partial.mul_(1.0 / factor)
+                hook(partial)
+                if existing:
+                    target.add_(partial.to(target.dtype))
+                elif partial is not target:
+                    target.copy_(partial)
+                return
             if existing:
                 target.add_(partial.to(target.dtype), alpha=1.0 / factor)
                 return

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import inspect
 
+from .extension import HOOK_LANE, check_comm, check_event, check_hook, check_stream
+
 try:  # torch >= 2.6 exports it here; the private path is the fallback
     from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 except ImportError:  # pragma: no cover - older torch
@@ -77,22 +79,100 @@ class TorchFSDPBase(_TorchFSDPModule):
         # skip torch's FSDPModule._apply (it reads FSDP2 state) and go to nn.Module's.
         return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
 
-    # -- refused, with the reason ----------------------------------------------------------
+    # -- FSDP2's comm hooks, per DBuffer (see fsdp/extension.py) ----------------------------
+    def _hook_groups(self):
+        g = self._fsdp_state().group
+        return [] if g is None else [g]
+
     def set_custom_all_gather(self, comm) -> None:
-        _refuse("set_custom_all_gather", "custom all-gather comms are not supported; ragged_fsdp "
-                "all-gathers each group's DBuffer segment with one collective")
+        """Use ``comm`` (a ``torch.distributed.fsdp`` ``AllGather``: ``allocate(size, *,
+        dtype, device)`` and ``__call__(output_tensor, input_tensor, group, async_op)``)
+        for this module's all-gathers (not recursive, as in torch; None restores the
+        engine's own).
+
+        What the comm sees is this design's unit, the **flat DBuffer segment**: one call
+        per DBuffer of the module's group per unshard (a group has one buffer per dtype /
+        trainability / mesh kind), with ``input_tensor`` this rank's ``S``-element segment
+        (1-D; cast to the compute dtype in place in ``output_tensor``'s slot when
+        ``mp_policy.param_dtype`` differs) and ``output_tensor`` the ``W*S``-element
+        unsharded buffer, padding included, whose views are the unsharded parameters.
+        ``allocate((W*S,), dtype=compute dtype, device=)`` is called for that buffer's
+        memory each time it is gathered: a fresh tensor is moved into the buffer (no copy);
+        one the comm keeps is gathered into and copied out of. Not called when the shard
+        dim has one rank (nothing is gathered), nor for ``all_gather_quant`` buffers
+        (refused). With ``reshard_after_forward=k`` the backward's gather from the kept
+        parts goes through it too, over the node's ranks."""
+        check_comm("set_custom_all_gather", comm, "AllGather")
+        for g in self._hook_groups():
+            if comm is not None and any(u.buf.quant is not None for u in g.units):
+                raise ValueError(
+                    "set_custom_all_gather: this module's group gathers fp8 codes and scales "
+                    "(fully_shard(all_gather_quant=...)), two collectives per buffer that a custom "
+                    "all-gather cannot replace; drop all_gather_quant or the custom comm")
+            g.hooks.all_gather = comm
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        _refuse("set_custom_reduce_scatter", "custom reduce-scatter comms are not supported")
+        """Use ``comm`` (a ``torch.distributed.fsdp`` ``ReduceScatter``: ``allocate`` and
+        ``__call__(output_tensor, input_tensor, group, op, async_op)``) for this module's
+        gradient reduce-scatters (not recursive, as in torch; None restores the engine's).
+
+        One call per DBuffer per backward (a late gradient of a buffer reduced early is a
+        second reduction): ``input_tensor`` is the buffer's flat unsharded gradient
+        (``W*S`` elements in the reduce dtype, padding zero), ``output_tensor`` this rank's
+        ``S``-element segment, and ``op`` is always ``ReduceOp.SUM``: the engine divides by
+        the data-parallel size (or ``set_gradient_divide_factor``) afterwards. ``allocate``
+        gives the unsharded gradient buffer autograd accumulates into, and the output
+        segment when the result is cast or added into accumulated gradients. On HSDP it is
+        the shard-dim reduce-scatter (the replicate-dim all-reduce stays the engine's). Not
+        called when the shard dim has one rank."""
+        check_comm("set_custom_reduce_scatter", comm, "ReduceScatter")
+        for g in self._hook_groups():
+            g.hooks.reduce_scatter = comm
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
-        _refuse("set_all_reduce_hook", "gradient all-reduce hooks (HSDP / custom replicate "
-                "reduction) are not supported on ragged_fsdp's 1-D meshes")
+        """Call ``hook(reduce_output)`` on each of this module's reduced gradients (not
+        recursive, as in torch; None removes it). The hook changes the tensor in place;
+        its return value is ignored.
+
+        ``reduce_output`` is a **flat DBuffer segment**: 1-D, ``S`` elements (this rank's
+        segment of one buffer, padding included, zeros there), in the reduce dtype
+        (``mp_policy.reduce_dtype``, else the parameters' dtype), holding this backward's
+        gradient only (not gradients accumulated from earlier backwards, which it is added
+        into afterwards). It is the reduce-scatter output on FSDP and the replicate-dim
+        all-reduce output on HSDP, in both cases **after** the divide factor: the mean over
+        the data-parallel ranks (or the sum over ``set_gradient_divide_factor``), as FSDP2's
+        hook sees it for fp32/bf16 reductions (its AVG / PREMUL_SUM ops divide inside the
+        collective). Called once per DBuffer per reduction; not on HSDP backwards with
+        ``set_requires_all_reduce(False)``.
+
+        ``stream`` (CUDA, FSDP only, as in torch): the stream the hook runs on, after the
+        reduce-scatter; by default it runs on the engine's all-reduce stream. On HSDP it
+        always runs on the all-reduce stream (a ``stream`` raises ValueError)."""
+        check_hook(hook)
+        groups = self._hook_groups()
+        for g in groups:
+            check_stream(stream, any(u.dp.replicate is not None for u in g.units))
+        for g in groups:
+            g.hooks.all_reduce_hook = hook
+            g.hooks.hook_stream = stream
+            g.dev.use_stream(HOOK_LANE, stream)
 
     def set_post_optim_event(self, event) -> None:
-        _refuse("set_post_optim_event", "not supported; ragged_fsdp orders the next all-gather "
-                "after the optimizer step on the current stream")
+        """Make the next all-gather of every buffer under this module's root wait on
+        ``event`` (recorded after the optimizer step) instead of on the compute stream, so
+        work queued after the step does not delay it (as torch's: one event per step, it is
+        discarded once used; call it again each iteration). Before the root's first forward
+        it applies to this module's subtree. A buffer's gathered memory is then allocated on
+        the all-gather stream. On a CPU mesh the host order already runs the optimizer step
+        first: the event's ``synchronize()`` is called once per buffer instead."""
+        check_event(event)
+        st = self._fsdp_state()
+        states = st.ctx.all_states or self._fsdp_states(True)
+        for s in states:
+            if s.group is not None:
+                s.group.post_optim_event = event
 
+    # -- refused, with the reason ----------------------------------------------------------
     def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:
         _refuse("set_reduce_scatter_unused_params", "not supported; unused parameters get a "
                 "zero gradient from the group's single reduce-scatter")

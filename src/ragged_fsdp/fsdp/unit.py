@@ -39,6 +39,7 @@ from ragged_fsdp.dbuffer import DBuffer
 from . import tracing as trace
 from .collectives import Comm, all_gather
 from .device import Device, Pending
+from .extension import CommHooks
 from .mesh_info import DPMesh
 from .quant_gather import quant_all_gather
 from .sharded_param import local_of, make_sharded_grad
@@ -96,6 +97,7 @@ class Unit:
         self.partial_touched: list[bool] | None = None
         self.group_name = group_name
         self._after_grad = after_grad
+        self.hooks = CommHooks()  # the group's custom comms and hook (shared with the group)
         self.new_forward_record()
         self.new_backward_record()
 
@@ -131,12 +133,13 @@ class Unit:
         unsharded buffer is the sharded segment). ``from_kept``: from the parts the ranks
         of ``post_forward_comm`` kept after forward."""
         buf = self.buf
+        custom = self.hooks.all_gather
         if from_kept:
-            p = all_gather(dev, self.post_forward_comm, buf, inp=self.kept)
+            p = all_gather(dev, self.post_forward_comm, buf, inp=self.kept, custom=custom)
         elif buf.quant:
             p = quant_all_gather(dev, self.comm, buf)
         else:
-            p = all_gather(dev, self.comm, buf)
+            p = all_gather(dev, self.comm, buf, custom=custom)
         if p is not None:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p
@@ -193,7 +196,7 @@ class Unit:
         writes into the buffer in place."""
         buf = self.buf
         if buf.grad is None:
-            buf.alloc_grad()
+            buf.alloc_grad(self.hooks.allocate_grad())
         p = info.unsharded
         alias = buf.grad_view(info.slot)
         # a TP/EP DTensor keeps autograd's own DTensor gradient (its placements may be
@@ -219,7 +222,7 @@ class Unit:
     def _fold_foreign_grad(self, info: ParamInfo) -> None:
         p, buf = info.unsharded, self.buf
         if buf.grad is None:
-            buf.alloc_grad()
+            buf.alloc_grad(self.hooks.allocate_grad())
         alias = buf.grad_view(info.slot)
         g = p.grad
         p.grad = None
@@ -238,7 +241,7 @@ class Unit:
         unsharded parameters' ``.grad`` aliases into it are dropped."""
         buf = self.buf
         if buf.grad is None:
-            buf.alloc_grad()  # every rank reduces the same buffers, used here or not
+            buf.alloc_grad(self.hooks.allocate_grad())  # every rank reduces the same buffers, used here or not
         touched = [buf.grad_touched(i) for i in range(len(buf.slots))]
         grad = buf.take_grad()
         for info in self.infos:

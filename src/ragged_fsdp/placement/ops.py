@@ -87,8 +87,20 @@ def dispatch(func, args, kwargs):
     raise NotImplementedError(
         f"ragged_fsdp: {func} is not supported on RaggedShard DTensors. Call .full_tensor() "
         "to work on the whole tensor, or .redistribute(mesh, [Replicate()]) / "
-        "[Shard(0)] to move to a layout torch's DTensor supports."
+        "[Shard(0)] to move to a layout torch's DTensor supports." + _mixed_hint(args, kwargs)
     )
+
+
+def _mixed_hint(args, kwargs) -> str:
+    """A RaggedShard DTensor meeting plain tensors in a compute op is, most often, a
+    ``fully_shard`` module's sharded parameter used outside its ``forward``."""
+    flat, _ = tree_flatten((args, kwargs))
+    if not any(isinstance(x, torch.Tensor) and not isinstance(x, DTensor) for x in flat):
+        return ""
+    return (" It got RaggedShard DTensors mixed with plain tensors: if a module wrapped by fully_shard "
+            "computes outside forward() (a generate() method calling its submodules, say), its parameters are "
+            "still sharded there; register that method with ragged_fsdp.register_fsdp_forward_method(module, "
+            "'generate') so they are gathered for it.")
 
 
 # -- local ops ---------------------------------------------------------------------------
