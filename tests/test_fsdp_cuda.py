@@ -108,3 +108,63 @@ def test_backward_has_no_device_sync(nccl, mixed):
             torch.cuda.set_sync_debug_mode(0)
         assert all(p.grad is not None for p in model.parameters()), step
         model.zero_grad()
+
+
+def test_all_reduce_hook_stream_and_post_optim_event(nccl):
+    """set_all_reduce_hook(stream=...) runs the hook on that stream (after the reduction,
+    x2 doubles the gradients exactly); set_post_optim_event's event is consumed by the next
+    forward's all-gathers (bf16 compute: the buffers are gathered even at W = 1) and the
+    result is the same as without it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp.fsdp import FSDPModule, fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def build():
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig.tiny())
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model, [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    tokens = torch.randint(0, 96, (2, 17)).cuda()
+    ref, _ = build()
+    model, wrapped = build()
+    side = torch.cuda.Stream()
+    on = []
+
+    def hook(t):
+        on.append(torch.cuda.current_stream() == side)
+        t.mul_(2.0)
+
+    for m in wrapped:
+        m.set_all_reduce_hook(hook, stream=side)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    for step in range(2):
+        for m, opt in zip((ref, model), opts):
+            m.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+        torch.cuda.synchronize()
+        assert on and all(on), on
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad.full_tensor(), 2 * q.grad.full_tensor())
+            p.grad.mul_(0.5)  # same update as the reference from here on
+        for m, opt in zip((ref, model), opts):
+            opt.step()
+            opt.zero_grad()
+        event = torch.cuda.Event()
+        event.record()
+        model.set_post_optim_event(event)
+        torch.cuda._sleep(1_000_000)  # work queued after the event: the gathers need not wait for it
+        on.clear()
+    groups = [m._fsdp_state().group for m in wrapped]
+    assert all(g.post_optim_event is not None for g in groups)
+    model.loss(tokens[:, :-1], tokens[:, 1:])  # the event is consumed by this forward's gathers
+    assert all(g.post_optim_event is None and not g.dev._events for g in groups)
+    torch.cuda.synchronize()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor())

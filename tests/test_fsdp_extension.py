@@ -328,8 +328,14 @@ def case_all_reduce_hook_accumulation(rank, world):
     """Gradients accumulated over two backwards (no zero_grad): the hook sees each
     backward's own reduced gradient, the grads are their sum, as without the hook."""
     base = _train(_wrap(_model(), _mesh("fsdp", world)), rank, zero_grad=False)
-    (_, grads, params, traces), seen, _ = _hooked("fsdp", world, rank, lambda seen: seen.append, zero_grad=False)
+    fresh = _train(_wrap(_model(), _mesh("fsdp", world)), rank)[1]  # step 2's gradient alone
+    (_, grads, params, traces), seen, model = _hooked(
+        "fsdp", world, rank, lambda seen: (lambda t: seen.append(t.clone())), zero_grad=False)
     assert len(seen) == sum(len(t.of("reduce_scatter")) for t in traces)
+    n = sum(len(m.dbuffers) for m in _fsdp_modules(model))
+    saw = torch.cat(seen[n:])
+    alone = torch.cat([g.reshape(-1) for g in fresh.values()])
+    assert torch.equal(torch.sort(saw[saw != 0]).values, torch.sort(alone[alone != 0]).values)
     for k in grads:  # (g1 + g2) vs g1 + (g2): the order of one addition differs
         torch.testing.assert_close(grads[k], base[1][k], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(params[k], base[2][k], rtol=1e-6, atol=1e-7)
