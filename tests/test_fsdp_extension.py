@@ -72,11 +72,11 @@ def _mesh(kind: str, world: int):
     return init_device_mesh("cpu", (world,))
 
 
-def _wrap(model, mesh, shard=None):
+def _wrap(model, mesh, shard=None, **kw):
     shard = shard or __import__("ragged_fsdp").fully_shard
     for b in model.blocks:
-        shard(b, mesh=mesh)
-    shard(model, mesh=mesh)
+        shard(b, mesh=mesh, **kw)
+    shard(model, mesh=mesh, **kw)
     return model
 
 
@@ -341,6 +341,22 @@ def case_all_reduce_hook_accumulation(rank, world):
         torch.testing.assert_close(params[k], base[2][k], rtol=1e-6, atol=1e-7)
 
 
+def case_all_reduce_hook_mixed_precision(rank, world):
+    """bf16 compute, fp32 reduction: the hook sees the fp32 segment; identity is neutral."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    base = _train(_wrap(_model(), _mesh("fsdp", world), mp_policy=mp), rank, steps=1)
+    model = _wrap(_model(), _mesh("fsdp", world), mp_policy=mp)
+    dtypes = []
+    for m in _fsdp_modules(model):
+        m.set_all_reduce_hook(lambda t: dtypes.append(t.dtype))
+    _, grads, params, traces = _train(model, rank, steps=1)
+    assert dtypes and set(dtypes) == {torch.float32} and len(dtypes) == len(traces[0].of("reduce_scatter"))
+    _same(grads, base[1])
+    _same(params, base[2])
+
+
 class _Event:
     """A CPU stand-in for torch.Event: counts how often the engine waits on it."""
 
@@ -416,6 +432,7 @@ CASES = [
     case_all_reduce_hook_fsdp,
     case_all_reduce_hook_hsdp,
     case_all_reduce_hook_accumulation,
+    case_all_reduce_hook_mixed_precision,
     case_post_optim_event,
     case_bad_input,
 ]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ragged_fsdp.dbuffer import DBuffer
 
 from .device import Device, Pending
-from .extension import adopt_or_none, checked_alloc
+from .extension import adopt_memory, checked_alloc
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 
@@ -86,7 +86,7 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
     with device.allocating(lane):
         if flat.device.type != "meta" and flat.untyped_storage().nbytes() == 0:
             t = checked_alloc(custom, "set_custom_all_gather", flat.numel(), flat.dtype, flat.device)
-            if not adopt_or_none(flat, t):
+            if not adopt_memory(flat, t):
                 staging = t
         del t
         out = buf.alloc_unsharded()

@@ -18,6 +18,12 @@ follows.
 all-reduce after the shard-dim reduce-scatter); ``pre()`` (optional) is local work that
 must run right before the collective, in the lane's order.
 
+What users plug in (``fsdp/extension.py``): ``use_stream(lane, stream)`` runs a lane on the
+user's stream (``set_all_reduce_hook(stream=...)``); ``order_after(event, lane)`` makes the
+lane's next launch follow ``event`` instead of the compute stream
+(``set_post_optim_event``), and ``allocating(lane)`` is where memory that launch writes
+first must be allocated (on the lane, then).
+
 CPU (gloo): the collective runs on the process group's own threads (``async_op=True``); the
 wait blocks on the work handle and then runs ``post`` on the calling thread.
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["CommHooks", "HOOK_LANE", "register_fsdp_forward_method", "check_comm", "check_hook", "check_event",
-           "check_stream", "adopt_or_none"]
+           "check_stream", "adopt_memory"]
 
 
 HOOK_LANE = "all_reduce_hook"  # the device lane set_all_reduce_hook(stream=...) binds to the user's stream
@@ -100,7 +100,8 @@ def check_hook(hook) -> None:
 def check_stream(stream, hsdp: bool) -> None:
     if stream is None:
         return
-    if not isinstance(stream, torch.Stream):
+    duck = all(callable(getattr(stream, n, None)) for n in ("wait_stream", "wait_event", "record_event"))
+    if not (isinstance(stream, torch.Stream) or duck):
         raise TypeError(f"set_all_reduce_hook: stream must be a torch.cuda.Stream (or None), got {type(stream).__name__}")
     if hsdp:
         raise ValueError(
@@ -135,19 +136,19 @@ def _refs(flat, t) -> tuple[int, int]:
     return sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
-def _probe(flat, t) -> tuple[int, int]:  # the same call depth as adopt_or_none's check
+def _probe(flat, t) -> tuple[int, int]:  # the same call depth as adopt_memory's check
     return _refs(flat, t)
 
 
 def _baseline() -> tuple[int, int]:
-    t = torch.empty(1)  # held by one local, as adopt_or_none's caller holds the comm's tensor
+    t = torch.empty(1)  # held by one local, as adopt_memory's caller holds the comm's tensor
     return _probe(None, t)
 
 
 _SOLE = _baseline()  # (references, storage uses) of a tensor only its caller holds
 
 
-def adopt_or_none(flat: torch.Tensor, t: torch.Tensor) -> bool:
+def adopt_memory(flat: torch.Tensor, t: torch.Tensor) -> bool:
     """Move the memory of ``t`` (fresh from a comm's ``allocate``; the caller holds it in
     one local variable) into ``flat``'s storage, whose views the unsharded parameters are,
     so the collective writes straight into them. Only when nothing else holds ``t`` or its

@@ -11,7 +11,11 @@ reduce a unit's gradient buffer (:meth:`Reductions.reduce`); it decides how:
   waited for at the end of backward or when the unit is next reduced), then the divide;
   with ``set_requires_all_reduce(False)`` the shard-dim sums pile up in the unit instead;
 * a unit reduced early (see :mod:`.backward`) whose late gradients arrive: they are reduced
-  again and added into the early reduction's segment.
+  again and added into the early reduction's segment;
+* the unit's :class:`~.extension.CommHooks`: a custom reduce-scatter replaces the shard-dim
+  collective, and an all-reduce hook runs on this reduction's divided segment (FSDP: a
+  stage of its own after the reduce-scatter; HSDP: after the all-reduce) before it is cast
+  or added into the sharded grads.
 
 Every reduction is a typed state in the queue (:class:`Reduction`, :class:`PartialSum`);
 ``in_flight`` is the order the shard-dim collectives were issued in, ``issued`` what this
@@ -42,7 +46,7 @@ __all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
 
 class Phase(enum.Enum):
     SCATTERING = "scattering"  # the shard-dim reduce-scatter is in flight
-    ALL_REDUCING = "all_reducing"  # HSDP: the replicate-dim all-reduce is in flight
+    ALL_REDUCING = "all_reducing"  # HSDP's replicate-dim all-reduce (or FSDP's all-reduce hook) is in flight
     DONE = "done"
 
 
@@ -57,7 +61,7 @@ class Reduction:
     had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
     dp: DPMesh  # the ranks it reduced over (its flags are combined over them)
     early: bool = False  # issued before the group's post-backward
-    replicate: Pending | None = None  # HSDP: the replicate-dim all-reduce, launched after `scatter`
+    replicate: Pending | None = None  # after `scatter`: HSDP's replicate all-reduce, or FSDP's all-reduce hook
     phase: Phase = Phase.SCATTERING
 
     def finish_scatter(self) -> None:
