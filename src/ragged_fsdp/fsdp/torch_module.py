@@ -13,10 +13,7 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13):
 
 - ``register_fsdp_forward_method`` calls ``_get_fsdp_state()._pre_forward(module, args,
   kwargs)`` and ``._post_forward(module, args, out)``: our FSDPState has both with the same
-  signatures, so it works (``ragged_fsdp.register_fsdp_forward_method`` calls it).
-- the comm hooks (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
-  ``set_all_reduce_hook``, ``set_post_optim_event``) are implemented below, per DBuffer
-  (``fsdp/extension.py``).
+  signatures, so it works.
 - ``share_comm_ctx`` touches ``_comm_ctx`` (CUDA streams shared across PP roots): refused by
   :meth:`TorchFSDPBase._get_fsdp_state` not having it (an AttributeError naming it).
 - the pipelining schedules call ``unshard/reshard/set_is_last_backward/
