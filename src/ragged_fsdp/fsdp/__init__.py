@@ -1,5 +1,8 @@
 """The training engine: a drop-in ``fully_shard`` built on DBuffers."""
 from .api import FSDPModule, UnshardHandle, fully_shard
+from .offload_policy import OffloadPolicy
+from .phase import load_to_device, offload_to_host
 from .tracing import Event, Trace, trace
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "trace", "Trace", "Event"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "trace", "Trace", "Event", "OffloadPolicy",
+           "offload_to_host", "load_to_device"]

@@ -45,10 +45,11 @@ class _Both:
 
 
 def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,
-               lane: str = "all_gather") -> Pending | None:
+               lane: str = "all_gather", after: Pending | None = None) -> Pending | None:
     """Fill ``buf``'s unsharded buffer from every rank's segment (or, with ``inp``, from
     equal contiguous parts the ranks of ``comm`` kept). Returns None when there is nothing
-    to gather (the unsharded buffer is the sharded segment)."""
+    to gather (the unsharded buffer is the sharded segment). ``after``: the copy of a host
+    segment to the device that the gather reads (offload)."""
     if buf.aliased:
         return None
     out = buf.alloc_unsharded()  # allocated in the compute stream's order
@@ -67,7 +68,8 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
     def restore_version():
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp), out=(out,))
+    src = (buf.staged if buf.host_sharded else buf.sharded) if inp is None else inp
+    return device.launch(lane, issue, post=restore_version, keep=(out, src), out=(out,), after=after)
 
 
 # On gloo a reduction receives the W-1 other pieces of this rank's segment at once: (W-1)/W

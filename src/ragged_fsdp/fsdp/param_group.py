@@ -43,6 +43,7 @@ from .device import Device, Pending
 from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
+from .offload import release_staged
 from .reduction import Settings
 from .unit import ParamInfo, Unit
 
@@ -98,6 +99,7 @@ class ParamGroup:
         self.units: list[Unit] = []
         self.infos: list[ParamInfo] = []
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
+        self.on_host = None  # what offload_to_host moved to the host (see phase.py), until load_to_device
         self._build(params, placed, granularity_fn)
         for u in self.units:
             u.post_forward_comm = post_forward_comm
@@ -119,6 +121,12 @@ class ParamGroup:
     def name(self) -> str:
         """The group's name in traces: its module path from the root ("<root>" for the root)."""
         return self.fqn or ("<root>" if self.ctx is not None else self._describe())
+
+    def check_on_device(self) -> None:
+        if self.on_host is not None:
+            raise RuntimeError(
+                f"ragged_fsdp: the parameters of {self._describe()} were moved to the host by "
+                "offload_to_host(); call ragged_fsdp.load_to_device(model, optimizer) before running it")
 
     def check_materialized(self) -> None:
         meta = [i.fqn for u in self.units if u.buf.device.type == "meta" for i in u.infos]
@@ -155,6 +163,7 @@ class ParamGroup:
         todo = self._to_gather()
         if not todo:
             return
+        self.check_on_device()
         self.check_materialized()
         from_kept = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         with record_function("ragged_fsdp::all_gather"):
@@ -169,6 +178,7 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
         self._gathering = None
+        release_staged(self._gathered_now)
         gathered = {id(u) for u in self._gathered_now}
         for u in self.units:
             if id(u) in gathered:
@@ -186,6 +196,7 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
             self._gathering = None
+            release_staged(self._gathered_now)
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self.sharded_state = ShardedState.UNSHARDED  # the gathered data is there
         if self.sharded_state is not ShardedState.SHARDED:

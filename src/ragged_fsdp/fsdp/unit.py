@@ -96,6 +96,7 @@ class Unit:
         self.partial_touched: list[bool] | None = None
         self.group_name = group_name
         self._after_grad = after_grad
+        self.offload = None  # an offload.UnitOffload under fully_shard(offload_policy=...)
         self.new_forward_record()
         self.new_backward_record()
 
@@ -136,7 +137,8 @@ class Unit:
         elif buf.quant:
             p = quant_all_gather(dev, self.comm, buf)
         else:
-            p = all_gather(dev, self.comm, buf)
+            staged = self.offload.stage(self) if self.offload is not None else None
+            p = all_gather(dev, self.comm, buf, after=staged)
         if p is not None:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p
