@@ -292,9 +292,12 @@ def test_policy_checks():
     assert resolve_offload(CPUOffloadPolicy(), cpu) is None  # host is the device: nothing moves
     assert resolve_offload(CPUOffloadPolicy(), cuda) == OffloadPolicy(True, True, True, pin_memory=True)
     assert resolve_offload(CPUOffloadPolicy(pin_memory=False), cuda).pin_memory is False
-    assert resolve_offload(OffloadPolicy(grads=True), cuda).pin_memory is True
     with pytest.raises(ValueError, match="pin_memory=False"):
         resolve_offload(OffloadPolicy(optimizer_states=True, pin_memory=True), cpu)
+    with pytest.raises(NotImplementedError, match="CPUOffloadPolicy"):
+        resolve_offload(OffloadPolicy(grads=True, optimizer_states=True), cuda)
+    assert resolve_offload(OffloadPolicy(optimizer_states=True), cuda) == OffloadPolicy(
+        optimizer_states=True, pin_memory=True)
     force_host_copies(True)
     try:
         assert resolve_offload(OffloadPolicy(grads=True), cpu) == OffloadPolicy(grads=True, pin_memory=False)

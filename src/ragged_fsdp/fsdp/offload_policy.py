@@ -10,7 +10,9 @@ Three states, chosen one by one (torch's ``CPUOffloadPolicy`` is all three, torc
   ``params=True`` requires ``grads=True`` and ``optimizer_states=True`` (what torch's
   policy does);
 * ``grads``: each reduced gradient shard is copied to the host at the end of backward and the
-  device segment freed; the sharded ``.grad`` are views of one host segment per buffer;
+  device segment freed; the sharded ``.grad`` are views of one host segment per buffer. On a
+  CUDA mesh only with ``params=True`` (torch checks that a ``.grad`` is on its parameter's
+  device type); alone it runs on a CPU mesh with host copies forced (the tests);
 * ``optimizer_states``: the optimizer's states live on the host and ``ragged_fsdp.optim.AdamW``
   steps on the device, streaming each buffer's states (and host gradients) in and out one
   buffer ahead. Other optimizers are refused at their first step (see
@@ -97,6 +99,14 @@ def resolve_offload(policy, device: torch.device) -> OffloadPolicy | None:
             return None
         if device.type == "cpu" and not forced:
             return None  # host and device are the same memory
+        if policy.grads and not policy.params and device.type != "cpu":
+            # torch refuses a .grad on another device type than its parameter's, and the
+            # sharded parameters stay on the device here
+            raise NotImplementedError(
+                f"fully_shard: offload_policy={policy}: host gradients of parameters that stay on the "
+                f"{device.type} device cannot be their .grad (torch checks the gradient's device); pass "
+                "grads=True only together with params=True and optimizer_states=True (torch's "
+                "CPUOffloadPolicy), or offload optimizer_states alone")
         pin = device.type == "cuda" if policy.pin_memory is None else policy.pin_memory
         return OffloadPolicy(policy.params, policy.grads, policy.optimizer_states, pin)
     if type(policy) is TorchOffloadPolicy:
