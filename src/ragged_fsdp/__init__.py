@@ -1,11 +1,13 @@
 """ragged_fsdp: fully sharded data parallelism that keeps the structure of tensors."""
-from .fsdp import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_to_device, offload_to_host,
+                   register_fsdp_forward_method)
 from .quant import BlockFP8
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
 
 __version__ = "0.1.0"
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
+    "OffloadPolicy", "offload_to_host", "load_to_device",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
     "BlockFP8", "__version__",
 ]

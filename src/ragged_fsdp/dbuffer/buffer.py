@@ -73,6 +73,10 @@ class DBuffer:
         self._grad_views: list[torch.Tensor] = []
         self._grad_versions: list[int] = []
         self.quant = None  # set by fully_shard(all_gather_quant=...): gathered as codes + scales
+        # offload_policy(params=True): the sharded segment lives on the host; ``staged`` is its
+        # device copy while an all-gather reads it (see ragged_fsdp.fsdp.offload)
+        self.host_sharded = False
+        self.staged: torch.Tensor | None = None
 
     # -- layout helpers ----------------------------------------------------------------
     @property
@@ -127,7 +131,7 @@ class DBuffer:
     def aliased(self) -> bool:
         """True when the unsharded buffer is the sharded segment itself (``W == 1``, no cast,
         no quantisation)."""
-        return self.world_size == 1 and self.compute_dtype == self.dtype and self.quant is None
+        return self.world_size == 1 and self.compute_dtype == self.dtype and self.quant is None and not self.host_sharded
 
     @property
     def unsharded(self) -> torch.Tensor:
@@ -176,11 +180,15 @@ class DBuffer:
 
     def gather_input(self) -> torch.Tensor:
         """This rank's contribution to the all-gather: the sharded segment itself, or (when
-        the compute dtype differs) its cast written into this rank's slot of the output."""
-        if self.compute_dtype == self.dtype:
-            return self.sharded
+        the compute dtype differs) its cast written into this rank's slot of the output. With
+        the segment on the host, its device copy ``staged``."""
+        src = self.staged if self.host_sharded else self.sharded
+        if src is None:
+            raise RuntimeError(f"{self!r}: the sharded segment lives on the host and was not staged for the all-gather")
+        if self.compute_dtype == self.dtype and not (self.world_size == 1 and self.host_sharded):
+            return src
         slot = self.unsharded.narrow(0, self.rank * self.segment, self.segment)
-        slot.copy_(self.sharded)
+        slot.copy_(src)
         return slot
 
     # -- gradient buffers ----------------------------------------------------------------

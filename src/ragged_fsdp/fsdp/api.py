@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ragged_fsdp.quant import BlockFP8
 
@@ -30,6 +30,9 @@ from .init import (
 )
 from .consistency import check_same_answers
 from .mesh_info import place_params, resolve_mesh
+from .offload import attach as attach_offload
+from .offload_hooks import require_streaming_optimizers
+from .offload_policy import resolve_offload
 from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
@@ -71,6 +74,11 @@ def fully_shard(
     for 2-D weights, whole expert matrices for fused experts whose rows are not a multiple of
     128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
     Gradients and optimizer states are unchanged. The result is the same at every world size.
+
+    ``offload_policy``: torch's ``CPUOffloadPolicy`` (everything on the host, the optimizer
+    steps there), torch's ``OffloadPolicy()`` (nothing), or ``ragged_fsdp.OffloadPolicy(params=,
+    grads=, optimizer_states=)`` per state; see ``docs/offload.md``. On a CPU mesh host and
+    device are the same memory and a policy moves nothing.
     """
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
@@ -89,13 +97,11 @@ def fully_shard(
             raise ValueError(f"fully_shard: {type(m).__name__} is already wrapped; apply fully_shard once per module")
     call_mesh = resolve_mesh(mesh, dp_mesh_dims)
     mesh, dp, device = call_mesh.mesh, call_mesh.dp, call_mesh.device
-    if isinstance(offload_policy, CPUOffloadPolicy) and device.type != "cpu":
+    offload = resolve_offload(offload_policy, device)
+    if offload is not None and device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            "fully_shard: offload_policy=CPUOffloadPolicy() on an accelerator mesh is not "
-            "implemented (parameters, gradients and optimizer states stay on the device); pass "
-            "OffloadPolicy() or use torch's fully_shard for offloading. On a CPU mesh it is "
-            "accepted and changes nothing: everything already lives on the CPU"
-        )
+            f"fully_shard: offload_policy on a {device.type} mesh is not implemented (host copies "
+            "are written for CUDA streams); pass OffloadPolicy()")
     raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
     params = collect_params(modules, ignored)
@@ -122,6 +128,10 @@ def fully_shard(
             post_forward_comm=None if isinstance(raf, bool) else node_comm(mesh, raf),
         )
         state.group = group
+        if offload is not None:
+            attach_offload(group, offload)
+            if not offload.params:
+                require_streaming_optimizers()
         for _, p, _ in params:
             mark_managed(p)
         mark_sharded(group)

@@ -46,15 +46,16 @@ class _Both:
 
 
 def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,
-               lane: str = "all_gather", custom=None) -> Pending | None:
+               lane: str = "all_gather", custom=None, after: Pending | None = None) -> Pending | None:
     """Fill ``buf``'s unsharded buffer from every rank's segment (or, with ``inp``, from
     equal contiguous parts the ranks of ``comm`` kept). Returns None when there is nothing
     to gather (the unsharded buffer is the sharded segment). ``custom``: a comm set by
-    ``set_custom_all_gather`` (see :func:`_custom_all_gather`)."""
+    ``set_custom_all_gather`` (see :func:`_custom_all_gather`). ``after``: the copy of a host
+    segment to the device that the gather reads (offload)."""
     if buf.aliased:
         return None
     if custom is not None:
-        return _custom_all_gather(device, comm, buf, inp, lane, custom)
+        return _custom_all_gather(device, comm, buf, inp, lane, custom, after)
     with device.allocating(lane):
         out = buf.alloc_unsharded()  # allocated in the compute stream's order (see Device.allocating)
     # The unsharded parameters are views of `out`; autograd must not see the all-gather as
@@ -72,11 +73,12 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
     def restore_version():
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    return device.launch(lane, issue, post=restore_version, keep=(out, buf.sharded if inp is None else inp), out=(out,))
+    src = (buf.staged if buf.host_sharded else buf.sharded) if inp is None else inp
+    return device.launch(lane, issue, post=restore_version, keep=(out, src), out=(out,), after=after)
 
 
 def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None, lane: str,
-                       custom) -> Pending:
+                       custom, after: Pending | None = None) -> Pending:
     """The all-gather through a user comm: its ``allocate`` gives the unsharded buffer's
     memory (moved into the buffer's storage, so the parameters' views see the result with
     no copy; a comm that keeps the tensor it hands out gets gathered into and copied out of),
@@ -95,13 +97,14 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
 
     def issue(async_op: bool):
         with torch.autograd._unsafe_preserve_version_counter(out):
+            shard = buf.staged if buf.host_sharded else buf.sharded  # staged: offloaded params
             if inp is not None:
                 src = inp
             elif buf.compute_dtype == buf.dtype:
-                src = buf.sharded
+                src = shard
             else:  # the cast goes into this rank's slot of the output (an in-place all-gather)
                 src = dest.narrow(0, buf.rank * buf.segment, buf.segment)
-                src.copy_(buf.sharded)
+                src.copy_(shard)
             if comm.world_size == 1:
                 return None
             return custom(output_tensor=dest, input_tensor=src, group=comm.group, async_op=async_op)
@@ -112,8 +115,9 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
                 out.copy_(staging)
         torch._C._autograd._unsafe_set_version_counter((out,), (version,))
 
-    keep = (out, buf.sharded if inp is None else inp) + (() if staging is None else (staging,))
-    return device.launch(lane, issue, post=finish, keep=keep, out=(dest,))
+    shard = buf.staged if buf.host_sharded else buf.sharded
+    keep = (out, shard if inp is None else inp) + (() if staging is None else (staging,))
+    return device.launch(lane, issue, post=finish, keep=keep, out=(dest,), after=after)
 
 
 # On gloo a reduction receives the W-1 other pieces of this rank's segment at once: (W-1)/W

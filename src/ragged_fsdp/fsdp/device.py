@@ -33,6 +33,13 @@ inputs are ready, and memory the compute stream freed is not reused early); ``co
 that event. No ``record_stream``: the tensors in ``keep`` stay referenced until the wait, so
 the caching allocator cannot hand their memory to someone else while the lane still uses it,
 and after the wait their frees are ordered on the compute stream.
+
+Host copies (offload, :mod:`.offload`): ``device.copy(lane, dst, src)`` copies between host
+and device memory on its own lane (``"h2d"``, ``"d2h"``) and returns a :class:`Pending`. CPU:
+the copy runs at once. CUDA: a non-blocking copy on the lane's stream (pinned host memory
+makes it asynchronous), after the compute stream's work so far; ``wait()`` makes the compute
+stream wait for it, and for a copy *to the host* also blocks the host until it landed (the
+host reads the result: an optimizer step on the host, a checkpoint).
 """
 
 from __future__ import annotations
@@ -79,13 +86,14 @@ Comm = Callable[[bool], Any]
 class Pending:
     """A launched collective; ``wait()`` once before using its outputs."""
 
-    __slots__ = ("_work", "_event", "_post", "_keep", "done", "__weakref__")
+    __slots__ = ("_work", "_event", "_post", "_keep", "done", "_host", "__weakref__")
 
-    def __init__(self, work=None, event=None, post=None, keep: Sequence[torch.Tensor] = ()):
+    def __init__(self, work=None, event=None, post=None, keep: Sequence[torch.Tensor] = (), host: bool = False):
         self._work = work
         self._event = event
         self._post = post
         self._keep = tuple(keep)
+        self._host = host  # the host reads the outputs: wait blocks the host on the event
         self.done = False
         if work is not None:
             _in_flight.add(self)
@@ -98,6 +106,8 @@ class Pending:
         if self._work is not None:
             self._work.wait()
         if self._event is not None:
+            if self._host:
+                self._event.synchronize()
             torch.cuda.current_stream().wait_event(self._event)
         if self._post is not None:
             self._post()
@@ -142,6 +152,18 @@ class Device:
             pre()
         work = comm(True)
         return Pending(work=work, post=post, keep=keep)
+
+    def copy(self, lane: str, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        """Copy ``src`` into ``dst`` (host <-> device) on ``lane``; wait before reading
+        ``dst`` or writing ``src``. Goes through :meth:`launch`, so a checking device
+        orders it like a collective."""
+
+        def issue(async_op: bool):
+            with torch.no_grad():
+                dst.copy_(src)
+            return None
+
+        return self.launch(lane, issue, keep=(dst, src), out=(dst,))
 
 
 class CudaDevice(Device):
@@ -198,6 +220,16 @@ class CudaDevice(Device):
                 post()
             event = stream.record_event()
         return Pending(event=event, keep=keep)
+
+    def copy(self, lane: str, dst: torch.Tensor, src: torch.Tensor) -> Pending:
+        stream = self.stream(lane)
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # src written, dst's memory free
+        with torch.cuda.stream(stream), torch.no_grad():
+            dst.copy_(src, non_blocking=True)
+            event = stream.record_event()
+        # both stay referenced until the wait: the caching allocators (device and pinned host)
+        # cannot reuse their memory while the copy may still run
+        return Pending(event=event, keep=(dst, src), host=dst.device.type == "cpu")
 
 
 def device_for(device: torch.device) -> Device:

@@ -44,6 +44,7 @@ from .extension import CommHooks
 from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
+from .offload import release_staged
 from .reduction import Settings
 from .unit import ParamInfo, Unit
 
@@ -101,6 +102,7 @@ class ParamGroup:
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self.hooks = CommHooks()  # set_custom_all_gather / _reduce_scatter, set_all_reduce_hook
         self.post_optim_event = None  # set_post_optim_event: the next all-gather waits on it
+        self.on_host = None  # what offload_to_host moved to the host (see phase.py), until load_to_device
         self._build(params, placed, granularity_fn)
         for u in self.units:
             u.post_forward_comm = post_forward_comm
@@ -123,6 +125,12 @@ class ParamGroup:
     def name(self) -> str:
         """The group's name in traces: its module path from the root ("<root>" for the root)."""
         return self.fqn or ("<root>" if self.ctx is not None else self._describe())
+
+    def check_on_device(self) -> None:
+        if self.on_host is not None:
+            raise RuntimeError(
+                f"ragged_fsdp: the parameters of {self._describe()} were moved to the host by "
+                "offload_to_host(); call ragged_fsdp.load_to_device(model, optimizer) before running it")
 
     def check_materialized(self) -> None:
         meta = [i.fqn for u in self.units if u.buf.device.type == "meta" for i in u.infos]
@@ -159,6 +167,7 @@ class ParamGroup:
         todo = self._to_gather()
         if not todo:
             return
+        self.check_on_device()
         self.check_materialized()
         from_kept = self.sharded_state is ShardedState.SHARDED_POST_FORWARD
         event, self.post_optim_event = self.post_optim_event, None
@@ -180,6 +189,7 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
         self._gathering = None
+        release_staged(self._gathered_now)
         gathered = {id(u) for u in self._gathered_now}
         for u in self.units:
             if id(u) in gathered:
@@ -197,6 +207,7 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
             self._gathering = None
+            release_staged(self._gathered_now)
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self.sharded_state = ShardedState.UNSHARDED  # the gathered data is there
         if self.sharded_state is not ShardedState.SHARDED:

@@ -39,6 +39,7 @@ from .collectives import all_reduce, reduce_scatter
 from .device import Device, Pending
 from .extension import HOOK_LANE, checked_alloc
 from .mesh_info import DPMesh
+from .offload import grads_to_host
 from .unit import Unit
 
 __all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
@@ -307,8 +308,15 @@ class Reductions:
                     "ran early on some ranks and at the end of backward on others, so the collectives of that "
                     "backward paired different buffers. The modules owning its parameters must run (with inputs "
                     "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")
+            # grads offload: every copy to the host is issued before the first is waited for
+            moved = [grads_to_host(r.unit, r.target) for r in items]
             k = 0
-            for r in items:
+            for r, (target, copy) in zip(items, moved):
                 n = len(r.touched)
-                r.unit.hand_out(r.target, [bool(x) for x in got[k:k + n]], r.had_grad)
+                if copy is not None:
+                    copy.wait()
+                r.unit.hand_out(target, [bool(x) for x in got[k:k + n]], r.had_grad)
+                if copy is not None:
+                    r.unit.last_grad_seg = None  # accumulate into a device segment, never the host one
+                    r.target = target  # the device segment has no other owner: freed here
                 k += n

@@ -143,6 +143,8 @@ class FSDPState:
             if self.group is not None:
                 self.group.recompute_forward()
             return self._cast_inputs(args, kwargs)
+        if self.group is not None:
+            self.group.check_on_device()  # before any state changes: the next forward starts clean
         first = True
         if len(self.modules) > 1:
             first = not self._to_run

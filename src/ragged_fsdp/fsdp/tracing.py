@@ -23,7 +23,7 @@ __all__ = ["Event", "Trace", "trace", "record", "active"]
 
 @dataclass(frozen=True)
 class Event:
-    kind: str  # all_gather | free | keep | reduce_scatter | all_reduce
+    kind: str  # all_gather | free | keep | reduce_scatter | all_reduce | h2d | d2h | unstage (offload)
     buffer: str  # "<group fqn>#<buffer index>"
     group: str  # the group's fqn ("<root>" for the root's)
     index: int  # the buffer's index in its group

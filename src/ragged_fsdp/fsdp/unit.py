@@ -98,6 +98,7 @@ class Unit:
         self.group_name = group_name
         self._after_grad = after_grad
         self.hooks = CommHooks()  # the group's custom comms and hook (shared with the group)
+        self.offload = None  # an offload.UnitOffload under fully_shard(offload_policy=...)
         self.new_forward_record()
         self.new_backward_record()
 
@@ -139,7 +140,8 @@ class Unit:
         elif buf.quant:
             p = quant_all_gather(dev, self.comm, buf)
         else:
-            p = all_gather(dev, self.comm, buf, custom=custom)
+            staged = self.offload.stage(self) if self.offload is not None else None
+            p = all_gather(dev, self.comm, buf, custom=custom, after=staged)
         if p is not None:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p

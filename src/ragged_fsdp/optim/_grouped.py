@@ -44,10 +44,11 @@ def storage_order(locals_: Sequence[torch.Tensor]) -> list[int]:
 
 
 def flat_states(params: Sequence[torch.Tensor], keys: Sequence[str],
-                dtype: torch.dtype | None = None) -> list[dict[str, torch.Tensor]]:
+                dtype: torch.dtype | None = None, host_pin: bool | None = None) -> list[dict[str, torch.Tensor]]:
     """Zeroed states ``keys`` for ``params``: one flat buffer per key and (device, dtype),
     packed in storage order (so parameters adjacent in their segment have adjacent states);
-    returns per parameter ``{key: view}``, each view wrapped like its parameter."""
+    returns per parameter ``{key: view}``, each view wrapped like its parameter. With
+    ``host_pin`` (True/False) the buffers live in host memory, pinned or not (offload)."""
     locals_ = [local_of(p) for p in params]
     out: list[dict[str, torch.Tensor]] = [{} for _ in params]
     by_kind: dict = {}
@@ -57,7 +58,10 @@ def flat_states(params: Sequence[torch.Tensor], keys: Sequence[str],
     for (device, dt), idx in by_kind.items():
         total = sum(locals_[i].numel() for i in idx)
         for key in keys:
-            flat = torch.zeros(total, dtype=dt, device=device)
+            if host_pin is None:
+                flat = torch.zeros(total, dtype=dt, device=device)
+            else:
+                flat = torch.empty(total, dtype=dt, device="cpu", pin_memory=host_pin).zero_()
             off = 0
             for i in idx:
                 n = locals_[i].numel()

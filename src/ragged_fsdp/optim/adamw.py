@@ -39,9 +39,13 @@ from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..placement.dtensor import RaggedDTensor
+from ragged_fsdp.fsdp.device import device_for
+from ragged_fsdp.fsdp.offload import policy_of
+
 from ._grouped import DEFAULT_CHUNK, adamw_grouped, flat_states
 from ._layout import layout_of, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
+from ._streamed import buckets_of, step_streamed
 from .routing import check_int
 
 __all__ = ["AdamW"]
@@ -54,7 +58,15 @@ class AdamW(torch.optim.AdamW):
 
     After each step ``last_step_stats`` counts ``grouped`` parameters (and the ``runs`` and
     ``chunks`` they formed) and ``fallback`` parameters stepped by torch's per-tensor code.
+
+    Offload (``fully_shard(offload_policy=OffloadPolicy(optimizer_states=True))`` and/or
+    ``grads=True``, parameters on the device): the flat states of those parameters are made
+    in host memory and the step runs on the device, streaming each DBuffer's states and host
+    gradients in and the states back out (:mod:`._streamed`); ``last_step_stats`` then also
+    has ``streamed_buckets``, ``streamed_bytes_in`` and ``streamed_bytes_out``.
     """
+
+    streams_host_states = True  # see ragged_fsdp.fsdp.offload_hooks
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -96,7 +108,12 @@ class AdamW(torch.optim.AdamW):
             if missing:
                 need.setdefault(missing, []).append(p)
         for missing, ps in need.items():
-            for p, views in zip(ps, flat_states(ps, missing)):
+            on_dev = [p for p in ps if _host_pin(p) is None]
+            host = [p for p in ps if _host_pin(p) is not None]
+            made = list(zip(on_dev, flat_states(on_dev, missing)))
+            if host:
+                made += list(zip(host, flat_states(host, missing, host_pin=_host_pin(host[0]))))
+            for p, views in made:
                 st = self.state[p]
                 if "step" not in st:
                     st["step"] = self._new_step(group, p)
@@ -126,6 +143,7 @@ class AdamW(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         stats = {"grouped": 0, "fallback": 0, "runs": 0, "chunks": 0}
+        streamed_stats = {"streamed_buckets": 0, "streamed_bytes_in": 0, "streamed_bytes_out": 0}
         for group in self.param_groups:
             fast, slow = [], []
             ok = self._grouped_ok(group)
@@ -141,20 +159,64 @@ class AdamW(torch.optim.AdamW):
                 stats["fallback"] += len(slow)
             if fast:
                 self._make_states(group, fast)  # e.g. amsgrad switched on after construction
-                st = [self.state[p] for p in fast]
-                b1, b2 = group["betas"]
-                s = adamw_grouped(
-                    [p._local_tensor for p in fast], [local_of(p.grad) for p in fast],
-                    [local_of(x["exp_avg"]) for x in st], [local_of(x["exp_avg_sq"]) for x in st],
-                    [local_of(x["max_exp_avg_sq"]) for x in st] if group["amsgrad"] else [],
-                    [x["step"] for x in st], amsgrad=group["amsgrad"], beta1=b1, beta2=b2,
-                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group["maximize"], fused=bool(group["fused"]), chunk=self.chunk_size)
+                streamed = [p for p in fast if _streams(p)]
+                here = [p for p in fast if not _streams(p)]
+                if here:
+                    s = self._grouped_step(group, here, [p._local_tensor for p in here],
+                                           [local_of(p.grad) for p in here], self._state_locals(group, here))
+                    stats["runs"] += s["runs"]
+                    stats["chunks"] += s["chunks"]
+                if streamed:
+                    self._streamed_step(group, streamed, stats, streamed_stats)
                 stats["grouped"] += len(fast)
-                stats["runs"] += s["runs"]
-                stats["chunks"] += s["chunks"]
+        if streamed_stats["streamed_buckets"]:
+            stats.update(streamed_stats)
         self.last_step_stats = stats
         return loss
+
+    def _state_locals(self, group, params) -> dict[str, list[Tensor]]:
+        st = [self.state[p] for p in params]
+        return {k: [local_of(x[k]) for x in st] for k in self._keys(group)}
+
+    def _grouped_step(self, group, params, p_locals, g_locals, states) -> dict:
+        b1, b2 = group["betas"]
+        return adamw_grouped(
+            p_locals, g_locals, states["exp_avg"], states["exp_avg_sq"],
+            states["max_exp_avg_sq"] if group["amsgrad"] else [],
+            [self.state[p]["step"] for p in params], amsgrad=group["amsgrad"], beta1=b1, beta2=b2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group["maximize"], fused=bool(group["fused"]), chunk=self.chunk_size)
+
+    def _streamed_step(self, group, params, stats, streamed_stats) -> None:
+        """The grouped step on the device with host states/grads streamed in per DBuffer."""
+        pols = [policy_of(p) for p in params]
+        operands = {"grad": [local_of(p.grad) for p in params], **self._state_locals(group, params)}
+        device = params[0]._local_tensor.device
+        dev = self.__dict__.setdefault("_stream_devices", {}).get(device)
+        if dev is None:
+            dev = self._stream_devices[device] = device_for(device)  # its lanes, reused every step
+
+        def step(idx, ops):
+            ps = [params[i] for i in idx]
+            s = self._grouped_step(group, ps, [p._local_tensor for p in ps], ops["grad"],
+                                   {k: v for k, v in ops.items() if k != "grad"})
+            stats["runs"] += s["runs"]
+            stats["chunks"] += s["chunks"]
+
+        # one bucket per (policy kind, storages): a bucket's host operands are one span each
+        kinds: dict[tuple, list[int]] = {}
+        for i, pol in enumerate(pols):
+            kinds.setdefault((pol.grads, pol.optimizer_states), []).append(i)
+        for (grads_host, states_host), idx in kinds.items():
+            sub = {k: [v[i] for i in idx] for k, v in operands.items()}
+            sub_host = {k: (grads_host if k == "grad" else states_host) for k in operands}
+            buckets = buckets_of(sub, len(idx))
+            s = step_streamed(dev, device, buckets, sub, sub_host,
+                              write_back={k for k in operands if k != "grad"},
+                              step=lambda b, ops, idx=idx: step([idx[i] for i in b], ops))
+            streamed_stats["streamed_buckets"] += s["buckets"]
+            streamed_stats["streamed_bytes_in"] += s["bytes_in"]
+            streamed_stats["streamed_bytes_out"] += s["bytes_out"]
 
     def _torch_step(self, group, params) -> None:
         """torch.optim.AdamW's own step for ``params`` (what the group's flags select)."""
@@ -229,6 +291,21 @@ class AdamW(torch.optim.AdamW):
                 and val._local_tensor.shape == view._local_tensor.shape):
             return val
         return place_state(val, p, layout_of(p), param_name(group, i, p, gi), key)
+
+
+def _streams(p) -> bool:
+    """``p``'s group keeps its gradients and/or states on the host, its parameters on the device."""
+    pol = policy_of(p)
+    return pol is not None and not pol.params and (pol.grads or pol.optimizer_states)
+
+
+def _host_pin(p) -> bool | None:
+    """Pin flag for host states of ``p`` (its group offloads optimizer states with the
+    parameters on the device), else None: states on the parameter's device."""
+    pol = policy_of(p)
+    if pol is None or pol.params or not pol.optimizer_states:
+        return None
+    return bool(pol.pin_memory)
 
 
 def _grad_fits(p) -> bool:

@@ -1,0 +1,119 @@
+"""The engine side of ``fully_shard(offload_policy=...)``: host buffers per DBuffer and the
+copies between them and the device, all through the device seam (:mod:`.device`).
+
+One :class:`UnitOffload` per unit of a group with a policy. What it does per state:
+
+* ``params``: at ``fully_shard`` the sharded segment moves to one host buffer (pinned on
+  CUDA) and the sharded parameters become views of it. Each all-gather of the unit first
+  copies the segment to a device buffer of the segment's size (``stage``, lane ``"h2d"``);
+  the all-gather is ordered after that copy on the device (``after``), not on the host, and
+  since the engine issues a group's all-gathers one group ahead (forward and backward
+  prefetch), the copy is issued one group ahead too. The device copy is dropped as soon as
+  the all-gather has been waited for (``release_staged``);
+* ``grads``: when backward hands out the reduced gradient segment, it is copied to one new
+  host segment per unit (lane ``"d2h"``), the sharded ``.grad`` become views of it, and the
+  device segment is dropped (nothing else refers to it). A later backward that accumulates
+  into host grads starts from a fresh device segment holding them.
+
+Trace events (``ragged_fsdp.fsdp.trace()``): ``h2d`` / ``d2h`` (bytes copied, allocated at
+the destination) and ``unstage`` (the device copy of a host segment freed).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import tracing as trace
+from .device import Device, Pending
+from .offload_policy import OffloadPolicy
+from .sharded_param import repoint
+
+__all__ = ["UnitOffload", "attach", "policy_of", "host_empty", "release_staged", "grads_to_host"]
+
+# id(sharded param) -> (weakref to its group, policy). Keyed by id, not by a weakref to the
+# parameter: a weakref on a parameter makes swap_tensors (model.to()) refuse it.
+_policies: dict[int, tuple[weakref.ref, OffloadPolicy]] = {}
+
+
+def policy_of(param) -> OffloadPolicy | None:
+    """The offload policy of the group that made sharded parameter ``param``, or None."""
+    entry = _policies.get(id(param))
+    if entry is None:
+        return None
+    group = entry[0]()
+    if group is None or not any(info.sharded is param for info in group.infos):
+        return None
+    return entry[1]
+
+
+def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device="cpu", pin_memory=pin)
+
+
+class UnitOffload:
+    """One unit's host side under a policy."""
+
+    def __init__(self, policy: OffloadPolicy, dev: Device):
+        self.policy = policy
+        self.dev = dev
+
+    # -- params ------------------------------------------------------------------------
+    def params_to_host(self, unit) -> None:
+        buf = unit.buf
+        host = host_empty(buf.segment, buf.dtype, bool(self.policy.pin_memory))
+        self.dev.copy("d2h", host, buf.sharded).wait()
+        trace.record("d2h", unit, host.numel() * host.element_size())
+        buf.sharded = host
+        buf.host_sharded = True
+        for info in unit.infos:
+            repoint(info.sharded, buf.sharded_view(info.slot))
+            info.register(info.sharded)
+
+    def stage(self, unit) -> Pending | None:
+        """Copy the host segment to the device for the all-gather; returns the copy (the
+        all-gather goes after it) or None when the segment is not on the host."""
+        buf = unit.buf
+        if not buf.host_sharded:
+            return None
+        staged = torch.empty(buf.segment, dtype=buf.dtype, device=buf.device)
+        pending = self.dev.copy("h2d", staged, buf.sharded)
+        buf.staged = staged
+        trace.record("h2d", unit, staged.numel() * staged.element_size())
+        return pending
+
+
+def attach(group, policy: OffloadPolicy) -> None:
+    """Give every unit of ``group`` its host side and move what lives on the host there."""
+    if policy.params and group.all_gather_quant is not None:
+        raise NotImplementedError(
+            "fully_shard: offload_policy with params=True and all_gather_quant together are not "
+            "implemented (the fp8 gather quantises the device segment); drop one of them")
+    for u in group.units:
+        u.offload = UnitOffload(policy, group.dev)
+        if policy.params:
+            u.offload.params_to_host(u)
+    ref = weakref.ref(group)
+    for info in group.infos:
+        _policies[id(info.sharded)] = (ref, policy)
+
+
+def release_staged(units) -> None:
+    """Drop the device copies of host segments whose all-gathers were waited for."""
+    for u in units:
+        buf = u.buf
+        if buf.staged is not None:
+            trace.record("unstage", u, buf.staged.numel() * buf.staged.element_size())
+            buf.staged = None
+
+
+def grads_to_host(unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
+    """Start copying a reduced gradient segment to a new host segment (grads policy);
+    returns what the sharded grads should point into and the copy to wait for."""
+    off = unit.offload
+    if off is None or not off.policy.grads:
+        return target, None
+    host = host_empty(target.numel(), target.dtype, bool(off.policy.pin_memory))
+    trace.record("d2h", unit, host.numel() * host.element_size())
+    return host, off.dev.copy("d2h", host, target)
