@@ -63,7 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "per-op SAC) | full")
     p.add_argument("--mesh", default=None,
                    help="dp=N | hsdp=RxS | tp=T,dp=N | ep=E,dp=N | pp=P,... | cp=C,... | auto (default dp=GPUS)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the blocks (fitted speed-up)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the blocks and the loss (fused elementwise kernels; compiled cross-entropy)")
+    p.add_argument("--eager-loss", action="store_true",
+                   help="with --compile, keep the loss eager (torchtitan before 2025 compiled the blocks only)")
     p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES, help="torchao float8 linears in the blocks")
     p.add_argument("--float8-allgather", action="store_true",
                    help="all-gather the float8 linears' weights in 1 byte (FSDP2: torchao float8; ragged_fsdp: "
@@ -139,7 +142,9 @@ def run(args) -> int:
         mesh = parse_mesh(args.mesh, args.gpus) if not args.sweep or args.mesh is None or "dp=" not in args.mesh \
             else parse_mesh(_sweep_mesh(args.mesh, args.gpus), args.gpus)
         gran = None if args.granularity == "element" else args.granularity
-        recipe = Recipe(compile=args.compile, float8=args.float8, float8_allgather=args.float8_allgather,
+        if args.eager_loss and not args.compile:
+            raise ValueError("--eager-loss only applies with --compile (without it the loss is eager already)")
+        recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather,
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                         pp_virtual=args.pp_virtual_stages)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),

@@ -1,18 +1,24 @@
 """The simulator's fitted constants, each fitted once on named published points (never on a
 validation point). ``python -m ragged_fsdp.sim.validate --fit`` refits them from
 ``published_points.json`` and prints the values; the validation run checks they still match.
+What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, attention).
 
-- ``EFFICIENCY[gpu]``: the fraction of peak dense bf16 flops the blocks' matmuls reach (one
-  per GPU profile). H100: torchtitan Llama 3.1 8B on 8 H100, FSDP, per-op SAC (5,762 tok/s);
-  A100: torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s). H200 and B200
-  borrow H100's (unvalidated).
-- ``COMPILE_SPEEDUP``: how much faster ``torch.compile`` runs the non-attention compute,
-  fitted on the same 8-GPU table's "FSDP + torch.compile" row (6,667 tok/s).
-- ``FLOAT8_SPEEDUP["tensorwise"]``: how much faster the blocks' linears run in float8,
-  fitted on that table's "FSDP + torch.compile + Float8" row (8,532 tok/s).
+- ``EFFICIENCY[gpu]``: the fraction of peak dense bf16 flops a large GEMM reaches (the
+  compute roof of each GEMM's roofline; memory-bound GEMMs and the elementwise work are
+  costed separately at ``mem_bw``). H100: torchtitan Llama 3.1 8B on 8 Grand Teton H100
+  (peak taken as 912 TFLOP/s, see :mod:`.profiles`), FSDP, per-op SAC (5,762 tok/s); A100:
+  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s). H200 and B200 borrow
+  H100's (a 700 W H200 may run its GEMMs faster than the 500 W part it was fitted on).
+- ``COMPILE_SPEEDUP``: how many times fewer elementwise bytes the blocks move under
+  ``torch.compile`` (fused kernels); fitted on the same 8-GPU table's "FSDP +
+  torch.compile" row (6,667 tok/s). The kernel-by-kernel count in
+  :data:`.compute.ELEMENTWISE_EAGER` / ``ELEMENTWISE_COMPILED`` gives ~3.2 for Llama 3 8B.
+- ``FLOAT8_SPEEDUP["tensorwise"]``: the float8 GEMM's compute rate over bf16's (the
+  casts are costed separately, memory-bound), fitted on that table's "FSDP +
+  torch.compile + Float8" row (8,532 tok/s); the H100 data sheet's ratio is 2.
   ``["rowwise"]``: fitted on torchtitan's async-TP table, Llama 3 70B, 256 H100, FSDP 32 x
   TP 8, float8 rowwise, vanilla TP (599.6 tok/s).
-- ``ATTENTION_RATE``: flash attention's rate as a fraction of the matmuls' rate (causal,
+- ``ATTENTION_RATE``: flash attention's rate as a fraction of the GEMMs' rate (causal,
   backward = 2.5 x forward), fitted on torchtitan's CP table row "FSDP 8, CP 1, sequence
   32768" (3,890 tok/s).
 - ``ALLOCATOR_RESERVE``: what the CUDA caching allocator reserves beyond the peak allocated,
@@ -24,10 +30,10 @@ from __future__ import annotations
 
 __all__ = ["EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
 
-EFFICIENCY = {"h100": 0.3674, "a100": 0.6228}
-COMPILE_SPEEDUP = 1.2060
-FLOAT8_SPEEDUP = {"tensorwise": 1.4407, "rowwise": 1.0393}
-ATTENTION_RATE = 0.6685
+EFFICIENCY = {"h100": 0.5231, "a100": 0.7378}
+COMPILE_SPEEDUP = 3.6854
+FLOAT8_SPEEDUP = {"tensorwise": 1.7695, "rowwise": 1.3386}
+ATTENTION_RATE = 0.5004
 ALLOCATOR_RESERVE = 0.2121
 
 # constant -> id of the point in published_points.json it is fitted on (in fit order)

@@ -3,8 +3,10 @@ TP, the pipeline schedule, and the activation-checkpointing policy. Pure data an
 
 Each option maps to one cost model (docs/simulate.md, "Cost models"):
 
-- ``compile``: the non-attention compute of every block runs ``FITTED.compile_speedup``
-  times faster (fused elementwise kernels); attention kernels are unchanged.
+- ``compile``: the elementwise (memory-bound) traffic of every block is divided by
+  ``FITTED.compile_speedup`` (fused kernels); GEMMs and attention kernels are unchanged.
+  ``compile_loss`` (default: follows ``compile``): the cross-entropy is compiled too, so its
+  fp32 upcast and log-probabilities are not materialised (memory, :mod:`.simulate`).
 - ``float8`` (``tensorwise`` / ``rowwise``, torchao's recipes): the matmuls of every linear
   inside the transformer blocks (not the output head, which torchtitan leaves in bf16, nor a
   MoE router) run ``FITTED.float8_speedup[recipe]`` times faster.
@@ -33,6 +35,9 @@ MAX_GPUS = 131072  # as `plan` (MAX_WORLD): beyond it the planner's per-rank tab
 @dataclass(frozen=True)
 class Recipe:
     compile: bool = False
+    # the loss compiled too (None: with ``compile``, as torchtitan since 2025 compiles the
+    # loss function; its Dec 2024 version compiled the blocks only)
+    compile_loss: bool | None = None
     float8: str | None = None  # None, "tensorwise" or "rowwise"
     float8_allgather: bool = False
     async_tp: bool = False
@@ -69,6 +74,10 @@ class Recipe:
         elif pp > 1 and local_batch < pp:
             raise ValueError(f"--mesh pp={pp} with --micro-batch {local_batch}: each stage needs a microbatch; "
                              f"use --micro-batch >= {pp}")
+
+    @property
+    def loss_compiled(self) -> bool:
+        return self.compile if self.compile_loss is None else bool(self.compile_loss)
 
     def n_microbatches(self, local_batch: int) -> int:
         return self.microbatches or local_batch

@@ -12,7 +12,8 @@ dense bf16, 2.04 TB/s, NVLink 600 GB/s (300 each way), 200 Gb/s HDR per GPU in D
 B200 (HGX B200): 2.25 PFLOP/s dense bf16, 180 GB HBM3e at 7.7 TB/s, NVLink 5 at 1.8 TB/s
 (900 each way), 400 Gb/s per GPU. ``h100-gt``: the H100 of Meta's Grand Teton hosts that
 torchtitan's published benchmarks ran on (their "Hardware" section): 96 GB HBM2e at
-2.4 TB/s, 500 W, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU.
+2.4 TB/s, 500 W, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU; its dense bf16 peak
+is "between SXM and NVL" (the same file), taken as the midpoint, 912 TFLOP/s.
 
 Bandwidth profile per GPU type (what the collectives and the per-phase overlap use):
 ``nvlink_bw`` one way per GPU inside a node, ``net_bw`` one way per GPU across nodes, ring
@@ -78,9 +79,15 @@ from .fitted import ALLOCATOR_RESERVE, EFFICIENCY
 EFF_H100, EFF_A100 = EFFICIENCY["h100"], EFFICIENCY["a100"]
 _R = {"alloc_reserve": ALLOCATOR_RESERVE}
 
+# the Grand Teton H100's dense bf16 peak: torchtitan's benchmark file (footnote 2) says it
+# lies between the H100 NVL's (835 TFLOP/s) and the SXM's (989) and is not known exactly;
+# the midpoint, so a profile fitted on it and moved to a 700 W SXM part (H200) is off by at
+# most ~8% from this alone
+H100_GT_PEAK = (835e12 + 989e12) / 2
+
 PROFILES: dict[str, GPUProfile] = {
     "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
-    "h100-gt": GPUProfile("h100-gt", 96 * GB, 989e12, 2.4e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    "h100-gt": GPUProfile("h100-gt", 96 * GB, H100_GT_PEAK, 2.4e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
     "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
     "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100, **_R),
     "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),

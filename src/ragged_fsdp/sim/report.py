@@ -14,15 +14,18 @@ ASSUMPTIONS = [
     "one FSDP group per transformer block, the embedding alone, final norm + head together and not resharded "
     "after forward (torchtitan's wrapping); all-gathers prefetched one group ahead; under PP a stage stays "
     "unsharded across its microbatches and reduces after the last",
-    "compute per group: matmuls at peak x efficiency (block linears x the float8 speed-up, non-attention work "
-    "x the compile speed-up), causal flash attention at the fitted attention rate; constants in sim/fitted.py",
+    "compute per group: each linear's three GEMMs by roofline with per-rank M, N, K (compute roof peak x "
+    "efficiency, x the float8 speed-up for block linears; memory roof HBM bandwidth), elementwise work as "
+    "counted bytes at HBM bandwidth (divided by the compile speed-up), float8 casts memory-bound, causal flash "
+    "attention at the fitted attention rate; constants in sim/fitted.py",
     "collectives: ring bandwidth term over the slowest link (NVLink inside a node, the per-GPU NIC across "
     "nodes) plus ring latency inside a node and tree latency across nodes; overlapped per phase one group ahead",
-    "TP: 2 all-gathers + 2 reduce-scatters of the activations per block and pass, exposed (vanilla) or under "
-    "the matmuls (async); CP: K/V ring under each attention chunk; PP: the schedule's bubble",
+    "TP: 2 all-gathers + 2 reduce-scatters of the activations per block and pass (per-op SAC reruns the "
+    "all-gathers), exposed with their dim-1 copies (vanilla) or each under its own matmul with the fused "
+    "reduce-scatter's sum exposed (async); CP: K/V ring under each attention chunk; PP: the schedule's bubble",
     "copy-out / copy-in at memory bandwidth on the compute stream; optimizer memory-bound",
     "activations: per-block saved tensors counted from the architecture and the AC policy (flash attention, no "
-    "S^2 term), divided by TP and CP; loss 12 bytes per logit (MemTracker: 11.7)",
+    "S^2 term), divided by TP and CP; loss 12 bytes per logit eager (MemTracker: 11.7), 4 compiled",
     "memory: peak allocated x (1 + the fitted allocator reserve) + a fixed reserve (profile reserved_bytes) for "
     "the CUDA context and NCCL",
     "ragged_fsdp's granularity follows the optimizer: element for adamw and muon (Muon's owners get the "

@@ -14,7 +14,7 @@ from . import fitted
 from .arch import Arch, resolve_model
 from .breakdown import breakdown
 from .buffers import DIFFERENCES
-from .compute import compute_times, group_flops, is_fp8_linear, op_sac
+from .compute import compute_times, group_flops, is_fp8_linear, op_sac, tp_feed
 from .context import ring_exposed
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
@@ -44,6 +44,10 @@ BLOCK_FP8_BYTES = 1 + 4 / (128 * 128)
 # bytes per logit element at the loss: bf16 logits, their fp32 copy, log-softmax output and
 # its gradient; MemTracker measured 11.7 here (bf16, N=2048, V=8192, torch 2.13 CPU)
 LOSS_BYTES_PER_LOGIT = 12
+# compiled cross-entropy (inductor fuses upcast, log-softmax and the NLL into one kernel
+# each way, keeping a per-row logsumexp): the bf16 logits, kept for backward, and their bf16
+# gradient; nothing of vocabulary size in fp32
+LOSS_BYTES_PER_LOGIT_COMPILED = 4
 
 
 @dataclass
@@ -182,7 +186,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     fp8_gather = 1.0 if fw == "fsdp2" else BLOCK_FP8_BYTES if fw == "ragged" else None
     for (name, tensors, is_exp), g in zip(split, L):
         is_layer = name.startswith("layers")
-        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp)
+        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp, mesh.tp)
         f, b = compute_times(gf, prof, rc, sc.act_ckpt if is_layer else "none", mesh.tp, fp32=(cb == 4))
         comp_f.append(f)
         comp_b.append(b)
@@ -197,7 +201,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
         work = max(work, arch.layer_act_elems(moe) * tokens / mesh.tp * cb)
         mm_f = f - gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
         e, t = tp_block_comm(prof, mesh.tp, 1, tokens, arch.hidden, cb, 1.0 if rc.float8 == "tensorwise" else cb,
-                             sc.act_ckpt, rc.async_tp, mm_f)
+                             sc.act_ckpt, rc.async_tp, mm_f, tp_feed(gf, prof, rc, fp32=(cb == 4)))
         tp_exp, tp_tot = tp_exp + e, tp_tot + t
         att_f = gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
         e, t = ring_exposed(prof, mesh.cp, mesh.tp, arch.kv_dim // mesh.tp if arch.kv_dim >= mesh.tp else 1,
@@ -208,7 +212,8 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     held = in_flight(rc.pp_schedule, pp, rc.pp_virtual, stage, m_count)
     if pp > 1:
         saved = [x * held for x in saved]
-    loss = tokens * arch.vocab / mesh.tp * (LOSS_BYTES_PER_LOGIT - 2 + cb) if has_head else 0.0
+    per_logit = LOSS_BYTES_PER_LOGIT_COMPILED if rc.loss_compiled else LOSS_BYTES_PER_LOGIT
+    loss = tokens * arch.vocab / mesh.tp * (per_logit - 2 + cb) if has_head else 0.0
     kept = {len(L) - 1} if has_head else set()  # norm + head: not resharded after forward (torchtitan)
     reshard = sc.reshard_after_forward and pp == 1  # torchtitan keeps PP stages unsharded across microbatches
     mi = MemoryInputs(layouts=L, kept=kept, root=None, act_saved=saved, act_work=work, loss_bytes=loss,
