@@ -75,9 +75,12 @@ def check_supported(parallel_dims: Any, parallelism: Any) -> None:
     if pp > 1:
         raise Refused(
             f"{PREFIX}: --parallelism.pipeline_parallel_degree={pp} is not supported yet "
-            "(ragged_fsdp does not implement the FSDPModule calls torch.distributed.pipelining "
-            "makes inside a schedule). Use --parallelism.pipeline_parallel_degree 1, or "
-            "torchtitan's own module (--module torchtitan.models.<model>) for pipelined runs"
+            "(torchtitan 0.3.0's trainer calls pp_schedule.step(arg_mbs=..., kwarg_mbs=..., "
+            "target_mbs=...), which torch 2.13's pipeline schedules do not take, so it fails for "
+            "torchtitan's own FSDP2 too; ragged_fsdp's fully_shard does run inside "
+            "torch.distributed.pipelining's schedules when you drive them yourself, see "
+            "docs/integrations.md). Use --parallelism.pipeline_parallel_degree 1 here, or a "
+            "torchtitan whose trainer matches your torch's schedule API for pipelined runs"
         )
     backend = getattr(parallelism, "spmd_backend", None)
     if backend == "spmd_types":
