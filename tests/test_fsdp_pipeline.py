@@ -222,6 +222,21 @@ def case_zero_bubble_after_reshard_refused(rank, world):
     dist.barrier()
 
 
+def case_identity_view_is_local(rank, world):
+    """``t.view_as(t)`` of a RaggedShard DTensor keeps the layout; other views still raise."""
+    from ragged_fsdp import RaggedShard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    full_t = torch.arange(24.0).view(4, 6)
+    dt = distribute_tensor(full_t, mesh, [RaggedShard((0,), (1, 2, 0, 1))])
+    v = dt.view_as(dt)
+    assert v.placements == dt.placements and v.to_local().data_ptr() == dt.to_local().data_ptr()
+    assert torch.equal(v.full_tensor(), full_t)
+    with pytest.raises(NotImplementedError, match="view"):
+        dt.view(6, 4)
+
+
 def _chain(e):
     while e is not None:
         yield e
@@ -229,7 +244,7 @@ def _chain(e):
 
 
 CASES = [case_gpipe, case_1f1b, case_interleaved_1f1b, case_interleaved_zero_bubble, case_hsdp_1f1b,
-         case_zero_bubble_after_reshard_refused]
+         case_zero_bubble_after_reshard_refused, case_identity_view_is_local]
 
 
 @pytest.fixture(scope="module")
