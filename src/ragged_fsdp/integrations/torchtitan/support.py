@@ -68,11 +68,15 @@ def install_excepthook() -> None:
 
 def _schedules_take_microbatches() -> bool:
     """Whether ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`` (torchtitan
-    0.3.0's call) works: a torch whose schedules take them, or the CPU mode's adapter."""
+    0.3.0's call) works: a torch whose schedules take them, or the CPU mode's adapter.
+    torchtitan's model specs import the schedules before the model is parallelised; when
+    they are not loaded there is no pipeline to run, and importing them here would only
+    add torch's start-up noise to a refusal."""
     import inspect
 
-    from torch.distributed.pipelining import schedules
-
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    if schedules is None:
+        return False
     step = schedules.PipelineScheduleSingle.step
     return getattr(step, "__ragged_fsdp_cpu__", False) or "arg_mbs" in inspect.signature(step).parameters
 
