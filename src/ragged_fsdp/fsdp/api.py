@@ -37,6 +37,7 @@ from .param_group import ParamGroup
 from .sharded_param import local_of
 from .state import FSDPState
 from .torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
+from .torch_state import register_torch_state
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
 
@@ -138,6 +139,7 @@ def fully_shard(
         _register_state_dict_hooks(group)
     for m in modules:
         set_state(m, state)
+        register_torch_state(m, state)
         _swap_class(m)
     return module
 

@@ -382,6 +382,18 @@ class ParamGroup:
         if not self.dev.overlap_reductions:
             reductions.retire(0)
 
+    def reduce_accumulated(self) -> None:
+        """Reduce now what the step's backward passes accumulated (torch.distributed.pipelining's
+        end of step, after several backward calls with gradient sync off): also the gradients a
+        weight-gradient pass wrote into the unsharded parameters' ``.grad`` outside autograd's
+        hooks (``_post_backward`` folds them into the gradient buffer first)."""
+        if self.training_state is TrainingState.POST_BACKWARD and not (
+            self.has_pending_grads() or any(u.buf.grad is not None for u in self.units)
+        ):
+            return  # this backward already reduced everything it had
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.post_backward()
+
     def finish_backward(self) -> None:
         self.training_state = TrainingState.IDLE
         self.bwd = _Backward()

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ragged_fsdp.placement import RaggedDTensor, RaggedShard, from_local
 from ragged_fsdp.placement.dtensor import wrap
+from ragged_fsdp.placement.ops import SHARDED_PARAM_ATTR
 
 __all__ = ["make_sharded_param", "make_sharded_grad", "local_of", "is_sharded_param", "repoint"]
 
@@ -26,7 +27,9 @@ def make_sharded_param(
         placements = (placements,)
     with torch.no_grad():
         dt = from_local(local, mesh, tuple(placements), tuple(shape))
-    return nn.Parameter(dt, requires_grad=requires_grad)
+    p = nn.Parameter(dt, requires_grad=requires_grad)
+    setattr(p, SHARDED_PARAM_ATTR, True)
+    return p
 
 
 def make_sharded_grad(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,28 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13):
   signatures, so it works.
 - ``share_comm_ctx`` touches ``_comm_ctx`` (CUDA streams shared across PP roots): refused by
   :meth:`TorchFSDPBase._get_fsdp_state` not having it (an AttributeError naming it).
-- the pipelining schedules call ``unshard/reshard/set_is_last_backward/
-  set_requires_gradient_sync/set_reshard_after_backward`` (all implemented).
+- ``torch.distributed.pipelining`` (``stage.py``, ``schedules.py``, ``_backward.py``) tests
+  ``isinstance(stage.submod, FSDPModule)`` and then calls, per stage:
+
+  - before every backward call (full, input-gradient or weight-gradient pass, one per
+    micro-batch): ``set_is_last_backward(False)``, ``set_reshard_after_backward(False)``,
+    ``set_requires_gradient_sync(False)``: gradients accumulate unreduced in the groups'
+    gradient buffers, parameters stay gathered;
+  - at the end of the step (``perform_reduce_grad``): the same three with True, then
+    ``fully_shard.state(m)._state_ctx.all_states[*]._fsdp_param_groups[*].post_backward()``
+    and ``fully_shard.state(m)._root_post_backward_final_callback()``: answered by
+    :mod:`.torch_state` (reduce what accumulated, then the engine's end of backward), then
+    ``p.grad.div_(n_microbatches)`` on the sharded grads (a local op);
+  - after the first step's metadata inference: ``reshard()`` on every FSDPModule and
+    ``param.grad = None``;
+  - the multi-stage runtime's UNSHARD / RESHARD actions: ``unshard(async_op=True)`` and the
+    handle's ``wait()``, ``reshard()``;
+  - split backward (zero-bubble schedules): ``p.view_as(p)`` on every parameter the stage
+    module holds (an identity view, local on RaggedShard) and ``weight.grad = dw`` /
+    ``weight.grad += dw`` on the unsharded parameters, outside autograd's hooks (folded into
+    the gradient buffer when the group reduces). On a *sharded* parameter (a block with
+    ``reshard_after_forward=True``) that view raises: the graph holds the unsharded one, so
+    the weight gradient would be lost, as it is with FSDP2.
 - ``torch._dynamo`` pickling of compiled packages looks up ``type.__mro__[2]`` in FSDP2's
   class table; compiled-package saving of a wrapped module is not supported.
 """

@@ -28,6 +28,9 @@ from .dtensor import RaggedDTensor, my_piece, spec_mismatch, split_groups, wrap
 
 aten = torch.ops.aten
 
+# set (True) on the sharded parameters fully_shard makes, so an op can tell them apart
+SHARDED_PARAM_ATTR = "_ragged_fsdp_sharded_param"
+
 # Ops that act element by element or only on metadata we keep, beyond those tagged pointwise.
 _LOCAL_OPS = {
     aten.detach.default, aten.detach_.default, aten.alias.default, aten.clone.default,
@@ -49,6 +52,7 @@ _RANDOM_OPS = {
 _NEW_OPS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
 _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 _BOOL_OPS = {aten.equal.default, aten.is_same_size.default}
+_VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FOREACH_NORM = {aten._foreach_norm.Scalar}
 _REDUCTIONS = {
     aten.linalg_vector_norm.default, aten.sum.default, aten.sum.dim_IntList,
@@ -80,6 +84,8 @@ def dispatch(func, args, kwargs):
         return func(args[0]._local_tensor, *args[1:], **kwargs)
     if func in _BOOL_OPS:
         return _bool_op(func, args, kwargs)
+    if func in _VIEW_OPS and _same_shape(args):
+        return _identity_view(func, args[0])
     if func is _AMP_UNSCALE:
         return _amp_unscale(args, kwargs)
     if _is_local_op(func):
@@ -101,6 +107,36 @@ def _mixed_hint(args, kwargs) -> str:
             "computes outside forward() (a generate() method calling its submodules, say), its parameters are "
             "still sharded there; register that method with ragged_fsdp.register_fsdp_forward_method(module, "
             "'generate') so they are gathered for it.")
+
+
+# -- identity views ----------------------------------------------------------------------
+
+def _same_shape(args) -> bool:
+    size = args[1] if len(args) > 1 else None
+    return isinstance(args[0], RaggedDTensor) and size is not None and tuple(size) == tuple(args[0].shape)
+
+
+def _identity_view(func, x: RaggedDTensor):
+    """A view to the tensor's own shape (``t.view_as(t)``) keeps every element where it
+    is, so it is the same view of the local tensor with the same layout.
+
+    One caller gets an error instead: torch.distributed.pipelining's split backward
+    (zero-bubble schedules) takes ``p.view_as(p)`` of every parameter the stage module
+    holds, to find the gradient accumulators its weight-gradient pass computes into. A
+    sharded ``fully_shard`` parameter there means the module resharded after forward,
+    and the autograd graph holds the unsharded parameters instead: the weight gradients
+    would be lost (torch's FSDP2 loses them without a word)."""
+    if x.requires_grad and x.grad_fn is None and getattr(x, SHARDED_PARAM_ATTR, False):
+        raise RuntimeError(
+            "ragged_fsdp: a view of a sharded fully_shard parameter was asked for to find its "
+            "gradient accumulator (torch.distributed.pipelining's zero-bubble schedules do this "
+            "in their input-gradient pass), but the autograd graph holds the unsharded parameter "
+            "after reshard_after_forward=True, so its weight gradients would be lost. Pass "
+            "reshard_after_forward=False to fully_shard for the modules of pipeline stages run "
+            "by split-backward schedules (as torchtitan does under pipeline parallelism)"
+        )
+    local = x._local_tensor
+    return wrap(local.view(local.shape), x._spec)
 
 
 # -- local ops ---------------------------------------------------------------------------

@@ -26,10 +26,16 @@ process that runs it:
   ``~/.cache/ragged_fsdp/torchtitan_cpu``); ``--training.disable_cuda_graphs`` (torchtitan's
   config check refuses EP and PP without it); data-loader workers 0.
 - rank 0's 2 s sleep at the end of ``Trainer.train`` is skipped.
+- pipeline schedules: torchtitan's trainer calls ``pp_schedule.step(arg_mbs=...,
+  kwarg_mbs=..., target_mbs=...)`` with pre-split micro-batches; torch 2.13's ``step`` takes
+  a whole batch to split (it would read those names as model inputs). A call with those
+  keywords runs what torch 2.13's ``step`` runs after splitting (:func:`_step_with_microbatches`),
+  for torchtitan's FSDP2 and ragged_fsdp alike; every other call is unchanged.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import types
@@ -125,6 +131,41 @@ def _force_sum_on_torch_fsdp(disable_division):
     return disable_fsdp_gradient_division
 
 
+def _step_with_microbatches(step):
+    """Wrap a schedule class's ``step`` to accept torchtitan's pre-split micro-batches."""
+
+    def step_(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None,
+              return_outputs=True, loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:
+            return step(self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs)
+        if args or kwargs:
+            raise TypeError("pp_schedule.step: pass either whole-batch inputs or arg_mbs/kwarg_mbs/target_mbs, not both")
+        if self._has_backward and getattr(self, "_backward_requires_autograd", True) and not torch.is_grad_enabled():
+            raise RuntimeError("pp_schedule.step() runs backward: call it with gradients enabled (or use eval())")
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for st in stages:
+            st.has_backward = self._has_backward
+            st.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        for st in stages:
+            if st.is_last and return_outputs:
+                return self._merge_outputs(st.output_chunks)
+        return None
+
+    step_.__ragged_fsdp_cpu__ = True
+    return step_
+
+
+def _patch_pipeline_step() -> None:
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if "step" in vars(cls) and not getattr(cls.step, "__ragged_fsdp_cpu__", False):
+            params = inspect.signature(cls.step).parameters
+            if "arg_mbs" not in params:  # a torch whose step takes them already needs nothing
+                cls.step = _step_with_microbatches(cls.step)
+
+
 _patched = False
 
 
@@ -157,6 +198,7 @@ def patch_for_cpu() -> None:
         tt_fsdp.disable_fsdp_gradient_division = _force_sum_on_torch_fsdp(tt_fsdp.disable_fsdp_gradient_division)
     if not hasattr(dist, "set_timeout"):
         dist.set_timeout = lambda timeout, group=None: None
+    _patch_pipeline_step()
     _patched = True
 
 

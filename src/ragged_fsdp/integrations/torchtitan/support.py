@@ -66,18 +66,35 @@ def install_excepthook() -> None:
     sys.excepthook = excepthook
 
 
+def _schedules_take_microbatches() -> bool:
+    """Whether ``pp_schedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)`` (torchtitan
+    0.3.0's call) works: a torch whose schedules take them, or the CPU mode's adapter.
+    torchtitan's model specs import the schedules before the model is parallelised; when
+    they are not loaded there is no pipeline to run, and importing them here would only
+    add torch's start-up noise to a refusal."""
+    import inspect
+
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    if schedules is None:
+        return False
+    step = schedules.PipelineScheduleSingle.step
+    return getattr(step, "__ragged_fsdp_cpu__", False) or "arg_mbs" in inspect.signature(step).parameters
+
+
 def check_supported(parallel_dims: Any, parallelism: Any) -> None:
     """Raise :class:`Refused` for the first torchtitan setting ragged_fsdp cannot run.
 
     HSDP, tensor, expert and context parallelism and the ``partial_dtensor`` and
     ``full_dtensor`` backends run; what is left is refused here, before anything is built."""
     pp = int(getattr(parallel_dims, "pp", 1) or 1)
-    if pp > 1:
+    if pp > 1 and not _schedules_take_microbatches():
         raise Refused(
             f"{PREFIX}: --parallelism.pipeline_parallel_degree={pp} is not supported yet "
-            "(ragged_fsdp does not implement the FSDPModule calls torch.distributed.pipelining "
-            "makes inside a schedule). Use --parallelism.pipeline_parallel_degree 1, or "
-            "torchtitan's own module (--module torchtitan.models.<model>) for pipelined runs"
+            "(torchtitan 0.3.0's trainer calls pp_schedule.step(arg_mbs=..., kwarg_mbs=..., "
+            "target_mbs=...), which this torch's pipeline schedules do not take, so it fails for "
+            "torchtitan's own FSDP2 too; the CPU mode, python -m ragged_fsdp.integrations.torchtitan.cpu, "
+            "adapts that call for both). Use --parallelism.pipeline_parallel_degree 1 here, or run "
+            "through the CPU mode"
         )
     backend = getattr(parallelism, "spmd_backend", None)
     if backend == "spmd_types":
