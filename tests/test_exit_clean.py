@@ -1,7 +1,14 @@
 """A script that ends without barrier() + destroy_process_group() exits cleanly (issue 19,
-item 7). The script (tests/_exit_script.py) makes the race between a gloo worker thread
-and interpreter finalization deterministic (see its docstring), so without the exit hook
-in ragged_fsdp/exit.py both of these launches abort."""
+item 7; the mechanism is described in ragged_fsdp/exit.py).
+
+``test_exit_hook_hands_off_the_gil`` checks the hook's property deterministically: a thread
+waiting for the GIL when the hook runs gets it before the hook returns (it fails with the
+hook's hand-off removed). ``test_exit_without_destroy_is_clean`` runs the real thing: W=2
+launches of tests/_exit_script.py that end right after a collective, under settings that
+make the race likely; without the hand-off an 'allreduce' launch had a rank abort in 1 of
+3 tries (3 of 4 for the same ending without ragged_fsdp's training before it), so this
+test can fail without the fix but mostly does not: the deterministic test above is the one
+that pins the fix."""
 
 from __future__ import annotations
 
@@ -29,8 +36,32 @@ def _launch(args: list[str]) -> list[subprocess.Popen]:
             for r in range(2)]
 
 
+HAND_OFF = """
+import sys, threading, time
+import torch.distributed as dist
+import ragged_fsdp.exit as ex
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+sys.setswitchinterval(100)  # the main thread hands the GIL over only when it blocks
+ran = []
+t = threading.Thread(target=lambda: (time.sleep(0.01), ran.append(1)))
+t.start()
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 0.2:  # Python only: the thread wakes and waits for the GIL
+    pass
+ex.at_exit()
+print("ran" if ran else "starved")
+"""
+
+
+def test_exit_hook_hands_off_the_gil():
+    out = subprocess.run([sys.executable, "-c", HAND_OFF], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "ran", out.stdout
+
+
 def test_exit_without_destroy_is_clean(tmp_path):
-    # both launches at once: each process's start-up (importing torch) dominates
+    # the launches at once: each process's start-up (importing torch) dominates
     runs = {"failsave": _launch(["failsave", str(tmp_path / "ck")]), "allreduce": _launch(["allreduce"])}
     problems = []
     for name, procs in runs.items():
