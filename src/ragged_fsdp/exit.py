@@ -7,10 +7,10 @@ decrefs that object, which needs the GIL. While the main thread runs Python with
 blocking (raising and catching an exception, formatting a message) the worker waits for
 the GIL. If the main thread reaches interpreter finalization first, the worker's GIL
 acquisition ends its thread, and unwinding a gloo worker thread aborts the process:
-``terminate called without an active exception``. ``dist.destroy_process_group()`` at the
-end of a script avoids it (the main thread blocks while the workers are joined); a script
-that skips it exits cleanly or aborts depending on thread timing. A failed checkpoint save
-makes it likely: its last collective is followed only by Python code up to the exit.
+``terminate called without an active exception`` (pytorch/pytorch#190489 has the
+backtrace). torch's documented ending, ``dist.destroy_process_group()``, shuts the groups
+down while the interpreter is alive; a script that skips it exits cleanly or aborts
+depending on thread timing (docs/reliability.md has the counts).
 
 So at exit, if a process group is still initialized, the hook first waits for the
 collectives the engine launched and nobody waited for (``device.drain``), then releases the
@@ -31,9 +31,9 @@ from .fsdp.device import drain
 
 __all__ = ["HAND_OFF_S", "at_exit"]
 
-# How long the main thread gives up the GIL at exit. Handing the GIL to a waiting thread
-# takes a scheduler slice; on a loaded 2-core machine a runnable thread waited up to tens
-# of milliseconds, so this leaves a margin without making exits noticeably slower.
+# How long the main thread gives up the GIL at exit: 0.05 s was enough in the plain-gloo
+# reproduction (docs/reliability.md); twice that leaves a margin for a thread that waits
+# for a core on a loaded machine, and only scripts that skip destroy_process_group pay it.
 HAND_OFF_S = 0.1
 
 
