@@ -30,11 +30,18 @@ class RunResult:
 def build_config(config_fn, *, assets: str, dump: str, steps: int, seq_len: int = 64,
                  batch: int = 2, chunked_loss: bool = True, load_path: str | None = None,
                  model_only: bool = True, save_interval: int | None = None, seed: int = 0,
-                 parallelism: dict | None = None, dtype: str = "float32"):
+                 parallelism: dict | None = None, dtype: str = "float32", save: bool = True,
+                 n_layers: int | None = None):
     """``config_fn()`` (torchtitan's or ragged_fsdp's) sized for a CPU test;
-    ``parallelism`` sets fields of ``cfg.parallelism`` (degrees, backend)."""
+    ``parallelism`` sets fields of ``cfg.parallelism`` (degrees, backend). ``save=False``
+    still loads ``load_path`` but writes no checkpoint; ``n_layers`` keeps the model's
+    first blocks only (a debug model's first block of deepseek-v3 is dense, the rest MoE)."""
     tok_dir, data_dir = make_assets(assets)
     cfg = cpu_defaults(config_fn(), assets)
+    if n_layers is not None:
+        layers = cfg.model_spec.model.layers
+        assert 0 < n_layers <= len(layers), (n_layers, len(layers))
+        cfg.model_spec.model.layers = layers[:n_layers]
     cfg.hf_assets_path = tok_dir
     cfg.dump_folder = dump
     cfg.dataloader.dataset_path = data_dir
@@ -67,6 +74,7 @@ def build_config(config_fn, *, assets: str, dump: str, steps: int, seq_len: int 
     ck.last_save_model_only = False
     ck.async_mode = "disabled"
     ck.keep_latest_k = 0
+    ck.load_only = not save
     if load_path is not None:
         ck.initial_load_path = load_path
         ck.initial_load_model_only = model_only

@@ -3,6 +3,7 @@ from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_t
                    register_fsdp_forward_method)
 from .quant import BlockFP8
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
+from . import exit as _exit  # registers the exit hook (see ragged_fsdp/exit.py)
 
 __version__ = "0.1.0"
 __all__ = [

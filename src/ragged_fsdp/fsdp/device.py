@@ -44,7 +44,6 @@ host reads the result: an optimizer step on the host, a checkpoint).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import weakref
 
@@ -55,9 +54,8 @@ import torch
 
 __all__ = ["Device", "Pending", "device_for", "drain", "in_flight"]
 
-# Collectives launched and not yet waited for. A process that exits with one of gloo's
-# async works still referenced can abort in the work's destructor during interpreter
-# shutdown ("terminate called without an active exception"), so exit drains them first.
+# Collectives launched and not yet waited for; ``ragged_fsdp.exit`` drains them at exit,
+# before the interpreter's teardown, so no gloo work is still running then.
 _in_flight: "weakref.WeakSet[Pending]" = weakref.WeakSet()
 
 
@@ -69,7 +67,7 @@ def in_flight() -> int:
 
 def drain() -> None:
     """Wait for every collective the engine launched and nobody waited for yet (an
-    unconsumed prefetch, say). Runs at exit; call it before ``destroy_process_group()``
+    unconsumed prefetch, say). Runs at exit (``ragged_fsdp.exit``); call it before ``destroy_process_group()``
     if a run may end between an ``unshard(async_op=True)`` and its wait."""
     for p in list(_in_flight):
         try:
@@ -77,8 +75,6 @@ def drain() -> None:
         except Exception:  # the process group may already be gone: nothing left to save
             pass
 
-
-atexit.register(drain)
 
 Comm = Callable[[bool], Any]
 
