@@ -132,7 +132,7 @@ def case_subclass_round_trip(rank, world):
     for W, mesh in _meshes(rank):
         for kind in (Int8RowsFive, Int8RowsOne):
             torch.manual_seed(0)
-            ws = [torch.randn(10, 8), torch.randn(7, 8), torch.randn(16, 8)]  # 10 and 7: partial last blocks
+            ws = [torch.randn(10, 8), torch.randn(7, 10), torch.randn(16, 7)]  # 10 and 7 rows: partial last blocks
             ref = [kind.quantize(w, 4) for w in ws]
             if mesh is None:
                 continue
@@ -215,12 +215,16 @@ def case_qlora(rank, world):
             for s in u.buf.slots:
                 for r in range(W):
                     a, b = s.placement.element_range(s.shape, r)
-                    assert a % span == 0 and (b % span == 0 or b == math.prod(s.shape)), (s.key, r, a, b)
+                    assert a == b or (a % span == 0 and (b % span == 0 or b == math.prod(s.shape))), (s.key, r, a, b)
         trainable = [n for n, p in model.named_parameters() if p.requires_grad]
         assert trainable and all("lora_" in n for n in trainable)
         assert all(p.dtype == torch.bfloat16 for n, p in model.named_parameters() if "lora_" in n)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        # Every rank trains on the same batch. The bf16 adapters' gradients are averaged in fp32:
+        # at W = 3, (g + g + g) / 3 is not always g in fp32, so an adapter's bf16 rounding can
+        # differ by one ulp after a step; lr 1e-3 keeps that far inside the 1e-5 bound (at
+        # lr 1e-2 step 3 differed by 1.3e-5 at W = 3).
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        ropt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-3)
         g = torch.Generator().manual_seed(1)
         for step in range(3):
             data = torch.randint(0, 96, (2, 17), generator=g)

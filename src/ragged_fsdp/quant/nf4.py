@@ -124,7 +124,7 @@ class NF4Weight(torch.Tensor):
         out, at = [], 0
         for rows in sizes:
             a, n = at * cols, rows * cols
-            if a % span or (n % span and at + rows != self.shape[0]):
+            if n and (a % span or (n % span and at + rows != self.shape[0])):
                 raise ValueError(
                     f"NF4Weight.split_rows: rows [{at}, {at + rows}) cut a scaler block of {span} values; "
                     f"split at multiples of {nf4_rows_unit(cols, self.block, self.scaler_block)} rows"
