@@ -69,11 +69,18 @@ def _train(model, gather_bytes):
     """Losses, all-gather bytes of step 0 and the peak memory of step 0 on this rank."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    class FrozenAwareTracker(MemTracker):
+        # MemTracker hooks every parameter's gradient and fails on frozen ones (the NF4
+        # bases); without the hooks it still counts every live tensor, only the gradients'
+        # category is lost, and the bench reports the total
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            return super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses, nbytes, peak = [], None, None
     for step, (tok, tgt) in enumerate(_batches()):
         if step == 0:
-            tracker = MemTracker()
+            tracker = FrozenAwareTracker()
             tracker.track_external(model, opt)
             with tracker, gather_bytes() as counted:
                 loss = model.loss(tok, tgt)
