@@ -135,6 +135,7 @@ class _TorchBytes:
 
 def _base_equal(model, ref) -> bool:
     from ragged_fsdp.models.qlora import LoRALinear
+    from ragged_fsdp.quant.nf4 import NF4Weight
 
     ok = True
     for b, rb in zip(model.layers, ref.layers):
@@ -142,7 +143,7 @@ def _base_equal(model, ref) -> bool:
         for m, rm in zip([m for m in b.modules() if isinstance(m, LoRALinear)],
                          [m for m in rb.modules() if isinstance(m, LoRALinear)]):
             w = m.weight
-            got = w.dequantize(torch.float32) if hasattr(w, "dequantize") else w.get_original_weight()
+            got = w.dequantize(torch.float32) if isinstance(w, NF4Weight) else w.get_original_weight()
             ok &= torch.equal(got, rm.weight.dequantize(torch.float32))
         b.reshard()
     return bool(ok)
@@ -202,8 +203,9 @@ def _worker(rank, world, port, queue):
         out["fsdp2"] = {"losses": losses, "all_gather_bytes": nbytes, "peak_bytes": peak,
                         "base_bitwise": _base_equal(tmodel, ref_fresh)}
     except Exception as e:  # the comparison's point: report how FSDP2 fails on these weights
-        out["fsdp2"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                        "where": traceback.format_exc().strip().splitlines()[-3].strip()[:200]}
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "distributed/fsdp" in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].line}" if frames else ""
+        out["fsdp2"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", "where": where}
     if rank == 0:
         queue.put(out)
     dist.barrier()
@@ -237,7 +239,7 @@ def render(rows: list[dict]) -> str:
         for name in ("ragged_fsdp", "fsdp2"):
             d = r[name]
             if "error" in d:
-                lines.append(f"| {r['world']} | {name} | failed: `{d['error']}` | | | | |")
+                lines.append(f"| {r['world']} | {name} | failed: `{d['error']}` (at `{d['where']}`) | | | | |")
                 continue
             lines.append(
                 f"| {r['world']} | {name} | {_rel(d['losses'], ref):.2e} | {d['all_gather_bytes']:,} | "

@@ -78,6 +78,21 @@ def nf4_dequantize(codes, scalers, factors, mean, codebook, shape, dtype, block:
     return torch.stack([hi, lo], dim=-1).reshape(shape).to(dtype)
 
 
+class _LinearNF4(torch.autograd.Function):
+    """``x @ W.T`` keeping the NF4 weight (not its dequantised copy) for backward: the
+    weight is frozen, backward needs it only for the input's gradient. Under FSDP the saved
+    object is the gathered weight, whose storage is refilled in place before backward."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return F.linear(x, w.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad @ ctx.w.dequantize(grad.dtype), None
+
+
 class NF4Weight(torch.Tensor):
     """A frozen NF4 weight (see the module docstring). Make one with :meth:`from_float` or
     :meth:`from_torchao`; ``dequantize()`` gives its values."""
@@ -172,7 +187,8 @@ class NF4Weight(torch.Tensor):
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            return F.linear(x, w.dequantize(x.dtype), bias)
+            out = _LinearNF4.apply(x, w)
+            return out if bias is None else out + bias
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
