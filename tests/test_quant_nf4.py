@@ -44,3 +44,17 @@ def test_adopts_torchao_nf4_bitwise():
     q = NF4Weight.from_torchao(t)
     assert torch.equal(q.dequantize(), t.get_original_weight())
     assert torch.equal(torch.split(q, [64, 64])[1].dequantize(), t.get_original_weight()[64:])
+
+
+def test_torchtitan_refuses_trainable_float8_weights_only():
+    """torchao's float8 training weights run on CPU, but they are trainable subclass
+    parameters, which the engine does not reduce: the torchtitan shim refuses them by name."""
+    float8 = pytest.importorskip("torchao.float8")
+    from ragged_fsdp.integrations.torchtitan.shard import fully_shard_for_torchtitan
+    from ragged_fsdp.integrations.torchtitan.support import Refused
+
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
+    float8.convert_to_float8_training(m, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    m(torch.randn(4, 64)).sum().backward()  # the converter itself works on CPU here
+    with pytest.raises(Refused, match="trainable WeightWithDynamicFloat8CastTensor"):
+        fully_shard_for_torchtitan(m)
