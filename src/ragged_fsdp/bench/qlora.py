@@ -253,6 +253,12 @@ def main(argv=None) -> int:
     ap.add_argument("--world", default="2,3")
     ap.add_argument("--json", default="docs/data/qlora.json")
     args = ap.parse_args(argv)
+    try:
+        import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
+    except ImportError:
+        print("bench.qlora: needs torchao (its NF4Tensor is the weight both frameworks shard): "
+              "pip install torch==<your torch> torchao==0.18.0", file=sys.stderr)
+        return 2
     rows = [run(int(w)) for w in args.world.split(",")]
     print(render(rows))
     if args.json:
