@@ -13,6 +13,7 @@ from .consistency import check_same_layout
 from .mesh_info import ParamPlacement
 from .quant_gather import attach_quant, fp8_granularity
 from .sharded_param import make_sharded_param
+from .subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
 from .unit import ParamInfo, Unit
 
 __all__ = ["build_units"]
@@ -32,11 +33,17 @@ def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> 
     # is neither kept unsharded nor re-gathered for backward (see backward.py).
     # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
     # experts over the dp ranks of their EP group: those get their own units.)
-    kinds: dict[tuple[int, torch.dtype, bool, bool, bool], list[int]] = {}
+    # Tensor subclasses with their own all-gather (FSDP2's protocol) are a kind of their own,
+    # gathered by .subclass_gather: fp8 is then "subclass", a third value of that slot.
+    kinds: dict[tuple[int, torch.dtype, bool, bool | str, bool], list[int]] = {}
     quant = group.all_gather_quant
     dp_index = {id(d): k for k, d in enumerate(group.dps)}
     for i, (name, p, owners) in enumerate(params):
-        fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
+        if is_extension(name, placed[i].data):
+            check_extension(name, p, placed[i])
+            fp8 = "subclass"
+        else:
+            fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
         key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
         kinds.setdefault(key, []).append(i)
     layouts: list = [None] * len(kinds)
@@ -54,6 +61,11 @@ def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> 
         check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
                           [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe())
     for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
+        if fp8 == "subclass":
+            group.units.append(build_subclass_unit(
+                group, len(group.units), group.dps[dpk], layout,
+                [(*params[i], placed[i]) for i in idx], group.mp_policy))
+            continue
         compute, reduce_ = _mp_dtypes(group, dtype)
         buf = DBuffer(layout, device=group.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
         if fp8:
@@ -95,7 +107,9 @@ def _plan(group, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False)
                 spec = parse_granularity(raw)
             except ValueError as e:
                 raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
-        if fp8:
+        if fp8 == "subclass":
+            spec = extension_granularity(name, placed[i].data, spec)
+        elif fp8:
             spec = fp8_granularity(group.all_gather_quant, name, shape, spec)
         key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
         keys.add(key)

@@ -57,11 +57,14 @@ def fully_shard_for_torchtitan(module, *, shard_placement_fn=None, **kwargs):
     modules = module if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         for name, p in m.named_parameters():
-            if hasattr(type(p.data), "fsdp_pre_all_gather") or hasattr(type(p), "fsdp_pre_all_gather"):
+            # frozen subclass weights (e.g. NF4 QLoRA bases) go through fully_shard's subclass
+            # all-gather; trainable ones (the float8 / MX / NVFP4 converters' weights) need a
+            # gradient path for subclass parameters that the engine does not have yet
+            if p.requires_grad and (hasattr(type(p.data), "fsdp_pre_all_gather") or hasattr(type(p), "fsdp_pre_all_gather")):
                 raise Refused(
-                    f"{PREFIX}: parameter {name!r} of {type(m).__name__} is a {type(p.data).__name__} "
-                    "with its own FSDP all-gather (float8 / MX / NVFP4 converters); ragged_fsdp does "
-                    "not run those. Remove the converter from --model.converters"
+                    f"{PREFIX}: parameter {name!r} of {type(m).__name__} is a trainable {type(p.data).__name__} "
+                    "with its own FSDP all-gather (float8 / MX / NVFP4 converters); ragged_fsdp gathers "
+                    "tensor-subclass weights only when they are frozen. Remove the converter from --model.converters"
                 )
     if shard_placement_fn is not None:
         user_fn = kwargs.pop("granularity_fn", None)

@@ -1,0 +1,355 @@
+"""Parameters whose data is a tensor subclass with its own all-gather (FSDP2's extension
+protocol: ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, torch 2.13 signatures).
+
+Such a parameter is sharded by whole rows in units the subclass asks for (its
+``ragged_granularity`` spec, e.g. an NF4 weight's whole scaler blocks; torchao's NF4Tensor:
+``block_size * scaler_block_size`` values; anything else: whole rows), so each rank's piece,
+``torch.split`` of the subclass along dim 0, is a subclass value of its own: the planner's
+RaggedShard units never cut a quantisation block, and nothing is re-quantised.
+
+Gathering one unit: every rank calls ``fsdp_pre_all_gather`` on its piece, with the 1- or
+5-argument signature exactly as FSDP2 calls it (``mesh``, the unsharded ``outer_size`` and
+``outer_stride``, the owner ``module``, the ``mp_policy``). The all-gather inputs are packed
+by dtype: one flat ``W * S_d`` buffer per input dtype (``uint8`` for packed 4-bit codes,
+``int8`` for scalers, ``float32`` for factors, ...), each rank writing its slot, and one
+in-place all-gather per buffer. The input sizes of every rank are exchanged once, at the
+first gather (a small int64 all-gather), and every later gather checks they are unchanged.
+After the wait, each tensor's outputs are its ranks' pieces in rank order, viewed as
+``(-1, *input.shape[1:])`` as FSDP2 does, and go to ``fsdp_post_all_gather(outputs,
+metadata, param_dtype)``; from the second gather on the outputs are refilled in place and the
+call gets ``out=`` the unsharded tensor it returned the first time, so tensors autograd saved
+see the new data. Freeing resizes the outputs (and the inner tensors the hook returned) to
+zero bytes, as FSDP2 does.
+
+Only frozen parameters (``requires_grad=False``, the QLoRA base weights) are handled here;
+a trainable subclass parameter is refused by name at ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn as nn
+
+from ragged_fsdp.placement import RaggedShard
+from ragged_fsdp.planner.granularity import Granularity
+
+from . import tracing as trace
+from .collectives import _all_gather_single
+from .device import Device, Pending
+from .sharded_param import make_sharded_param
+from .unit import ParamInfo, Unit
+
+__all__ = ["is_extension", "extension_granularity", "check_extension", "SubclassStore", "SubclassUnit",
+           "build_subclass_unit", "call_pre_all_gather"]
+
+# gloo and NCCL reduce nothing here, so 1-byte types without a collective dtype travel as uint8
+_WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, torch.bool: torch.uint8}
+for _name in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2"):
+    if hasattr(torch, _name):
+        _WIRE[getattr(torch, _name)] = torch.uint8
+_DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
+           torch.float32, torch.float64, torch.bool, *(d for d in _WIRE if d is not torch.bool)]
+
+
+def is_extension(name: str, data: torch.Tensor) -> bool:
+    """Whether ``data`` carries its own all-gather; an error when it defines only one hook."""
+    pre, post = hasattr(data, "fsdp_pre_all_gather"), hasattr(data, "fsdp_post_all_gather")
+    if pre != post:
+        raise TypeError(
+            f"fully_shard: {name!r} is a {type(data).__name__} that defines only "
+            f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}; a tensor subclass with its own "
+            "all-gather must define both (the FSDP2 protocol)"
+        )
+    return pre
+
+
+def extension_granularity(name: str, data: torch.Tensor, requested: Granularity | None) -> Granularity:
+    """The rows the planner keeps whole for a subclass parameter."""
+    spec = getattr(data, "ragged_granularity", None)
+    if spec is None and hasattr(data, "block_size") and hasattr(data, "scaler_block_size"):
+        # torchao's NF4Tensor: double quantisation spans block_size * scaler_block_size values
+        span = int(data.block_size) * int(data.scaler_block_size)
+        cols = math.prod(data.shape[1:]) if data.dim() > 1 else 1
+        spec = f"rows:{span // math.gcd(span, cols)}"
+    g = Granularity.parse(spec or "row")
+    if requested is not None and str(requested) != str(g):
+        raise ValueError(
+            f"fully_shard: {name!r} is a {type(data).__name__} sharded in units of {str(g)!r} (its "
+            f"quantisation blocks), but granularity_fn returned {str(requested)!r}; return None for it"
+        )
+    if data.dim() == 0:
+        raise ValueError(f"fully_shard: {name!r} is a 0-d {type(data).__name__}; subclass parameters are split by rows")
+    return g
+
+
+def check_extension(name: str, p: nn.Parameter, pl) -> None:
+    """What this engine does not do with subclass parameters, refused by name."""
+    if p.requires_grad:
+        raise NotImplementedError(
+            f"fully_shard: {name!r} is a trainable {type(pl.data).__name__} with its own all-gather; "
+            "ragged_fsdp gathers tensor-subclass parameters only when they are frozen "
+            "(requires_grad=False, e.g. QLoRA's NF4 base weights): gradients of trainable ones "
+            "(torchao's float8 training weights) are not reduced yet. Freeze it, or leave it to torch's fully_shard"
+        )
+    if pl.unsharded_spec is not None or pl.dp.replicate is not None or pl.dp.spmd_mesh is not None:
+        raise NotImplementedError(
+            f"fully_shard: {name!r} is a {type(pl.data).__name__} with its own all-gather; those are "
+            "gathered on a 1-D data-parallel mesh only (no HSDP, TP/EP or dp_mesh_dims)"
+        )
+
+
+def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "SubclassUnit":
+    """A unit for ``items`` (``(name, param, owners, placement)``, the slot order of ``layout``):
+    each rank keeps its rows of every subclass value, split along dim 0."""
+    store = SubclassStore(layout, group.device, items[0][1].dtype)
+    unit = SubclassUnit(index, store, dp, group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh)
+    rank = dp.shard.rank
+    for j, (name, p, owners, pl) in enumerate(items):
+        s = layout.slots[j]
+        data = pl.data.detach()
+        cols = math.prod(s.shape[1:])
+        a, b = s.placement.element_range(s.shape, rank)
+        if a % cols or b % cols:
+            raise ValueError(f"fully_shard: the layout gives rank {rank} elements [{a}, {b}) of {name!r}, not whole rows")
+        r0, r1 = (a // cols, b // cols) if b > a else (0, 0)
+        piece = torch.split(data, [r0, r1 - r0, s.shape[0] - r1], dim=0)[1]
+        sharded = make_sharded_param(piece, pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
+                                     tuple(p.shape), False)
+        info = ParamInfo(name, index, j, owners, sharded)
+        info.register(sharded)
+        unit.infos.append(info)
+        unit.locals.append(piece)
+        unit.modules.append(owners[0][0])
+        group.infos.append(info)
+    return unit
+
+
+def call_pre_all_gather(local: torch.Tensor, mesh, outer_size, outer_stride, module, mp_policy):
+    """``fsdp_pre_all_gather`` with the arity FSDP2 in torch 2.13 accepts (1 or 5 parameters)."""
+    fn = local.fsdp_pre_all_gather
+    n = len(inspect.signature(fn).parameters)
+    if n == 1:
+        return fn(mesh)
+    if n == 5:
+        return fn(mesh, outer_size, outer_stride, module, mp_policy)
+    raise TypeError(
+        f"{type(local).__name__}.fsdp_pre_all_gather{inspect.signature(fn)}: expected (mesh) or (mesh, "
+        "outer_size, outer_stride, module, mp_policy), as torch's FSDP2 calls it"
+    )
+
+
+class SubclassStore:
+    """What the group reads from a unit's ``buf`` when the unit holds subclass parameters:
+    the layout (which rows are whose) and no flat storage of its own (the pieces keep
+    theirs; they never receive gradients)."""
+
+    quant = None
+    grad = None
+    aliased = False
+
+    def __init__(self, layout, device: torch.device, dtype: torch.dtype):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.compute_dtype = dtype
+        self.reduce_dtype = dtype
+        self.wire_bytes = 0  # bytes one gather receives on this rank (set at the first gather)
+
+    @property
+    def slots(self):
+        return self.layout.slots
+
+    @property
+    def unsharded_allocated(self) -> bool:
+        return False
+
+    def rebuild(self, device, dtype):
+        raise NotImplementedError(
+            "ragged_fsdp: moving a group that holds tensor-subclass parameters (.to(), to_empty(), "
+            "load_state_dict(assign=True)) is not implemented; build the subclass weights on their "
+            "device before fully_shard"
+        )
+
+    def __repr__(self) -> str:
+        return f"SubclassStore({len(self.slots)} tensors, {self.wire_bytes} bytes gathered)"
+
+
+class SubclassUnit(Unit):
+    """A unit of frozen subclass parameters (see the module docstring)."""
+
+    def __init__(self, index, store: SubclassStore, dp, *, group_name, mp_policy, mesh):
+        super().__init__(index, store, dp, embedding=False, group_name=group_name, after_grad=lambda p: None)
+        self.mp_policy = mp_policy
+        self.mesh = mesh  # what fsdp_pre_all_gather gets as its mesh (FSDP2: the shard mesh)
+        self.locals: list[torch.Tensor] = []  # this rank's subclass piece per slot
+        self.modules: list[nn.Module] = []  # the owner module per slot (the hook's ``module``)
+        self._sizes: list[list[tuple[int, int]]] | None = None  # [rank][input] -> (numel, dtype code)
+        self._outputs: list[list[torch.Tensor]] = []  # per slot: the flat all-gather outputs
+        self._full: list[torch.Tensor | None] = []
+        self._inner: list[tuple[torch.Tensor, ...]] = []
+
+    @property
+    def trainable(self) -> bool:
+        return False
+
+    def unsharded_bytes(self) -> int:
+        return self.buf.wire_bytes
+
+    # -- gather ------------------------------------------------------------------------
+    def _inputs(self):
+        ins, metas = [], []
+        for info, local, module in zip(self.infos, self.locals, self.modules):
+            shape = tuple(info.sharded.shape)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            got, meta = call_pre_all_gather(local, self.mesh, torch.Size(shape), stride, module, self.mp_policy)
+            ins.append(tuple(got))
+            metas.append(meta)
+        return ins, metas
+
+    def _exchange_sizes(self, ins) -> None:
+        comm = self.comm
+        mine = [(t.numel(), _DTYPES.index(t.dtype)) for per in ins for t in per]
+        flat = torch.tensor([v for pair in mine for v in pair], dtype=torch.int64, device=self.buf.device)
+        if comm.world_size > 1:
+            out = torch.empty(comm.world_size * flat.numel(), dtype=torch.int64, device=flat.device)
+            _all_gather_single(out, flat, group=comm.group, async_op=False)
+        else:
+            out = flat
+        rows = out.view(comm.world_size, -1, 2).tolist()
+        for r, row in enumerate(rows):
+            if [c for _, c in row] != [c for _, c in mine]:
+                raise RuntimeError(
+                    f"ragged_fsdp: {self!r}: rank {r}'s fsdp_pre_all_gather returned inputs of other dtypes "
+                    f"than rank {comm.rank}'s; every rank's piece must give the same kinds of inputs"
+                )
+        self._sizes = [[tuple(p) for p in row] for row in rows]
+
+    def gather(self, dev: Device, from_kept: bool) -> Pending | None:
+        if from_kept:
+            raise NotImplementedError("tensor-subclass parameters with reshard_after_forward=<int>")
+        comm, W, r = self.comm, self.comm.world_size, self.comm.rank
+        ins, metas = self._inputs()
+        if self._sizes is None:
+            self._exchange_sizes(ins)
+        flat_ins = [t for per in ins for t in per]
+        mine = [(t.numel(), _DTYPES.index(t.dtype)) for t in flat_ins]
+        if mine != [tuple(p) for p in self._sizes[r]]:
+            raise RuntimeError(f"ragged_fsdp: {self!r}: fsdp_pre_all_gather returned other input sizes than at the first gather")
+        # per dtype: each rank's slot size and where each input sits in its owner's slot
+        codes = sorted({c for _, c in mine})
+        seg, at = {c: 0 for c in codes}, []
+        for rr in range(W):
+            offs, used = [], {c: 0 for c in codes}
+            for n, c in self._sizes[rr]:
+                offs.append(used[c])
+                used[c] += n
+            at.append(offs)
+            for c in codes:
+                seg[c] = max(seg[c], used[c])
+        dev_ = self.buf.device
+        wires = {c: torch.empty(W * seg[c], dtype=_DTYPES[c], device=dev_) for c in codes}
+        self.buf.wire_bytes = sum(w.numel() * w.element_size() for w in wires.values())
+
+        def issue(async_op: bool):
+            for c, w in wires.items():
+                w.narrow(0, r * seg[c], seg[c]).zero_()  # padding: defined bytes on the wire
+            for j, t in enumerate(flat_ins):
+                c = mine[j][1]
+                wires[c].narrow(0, r * seg[c] + at[r][j], t.numel()).copy_(t.reshape(-1))
+            if W == 1:
+                return None
+            works = []
+            for c, w in wires.items():
+                send = w.narrow(0, r * seg[c], seg[c])
+                wire_dtype = _WIRE.get(w.dtype)
+                if wire_dtype is not None:
+                    w, send = w.view(wire_dtype), send.view(wire_dtype)
+                works.append(_all_gather_single(w, send, group=comm.group, async_op=async_op))
+            return _All(works)
+
+        def post():
+            j = 0
+            for k, per in enumerate(ins):
+                outs = self._outputs[k] if k < len(self._outputs) else None
+                new = []
+                for q, t in enumerate(per):
+                    c = mine[j][1]
+                    pieces = [wires[c].narrow(0, rr * seg[c] + at[rr][j], self._sizes[rr][j][0]) for rr in range(W)]
+                    n = sum(p.numel() for p in pieces)
+                    if outs is None:
+                        o = torch.empty(n, dtype=t.dtype, device=dev_)
+                    else:
+                        o = outs[q]
+                        o.untyped_storage().resize_(n * o.element_size())
+                    torch.cat(pieces, out=o)
+                    new.append(o)
+                    j += 1
+                if outs is None:
+                    self._outputs.append(new)
+                self._post(k, ins[k], metas[k])
+
+        keep = tuple(wires.values())
+        trace.record("all_gather", self, self.buf.wire_bytes)
+        return dev.launch("all_gather", issue, post=post, keep=keep, out=keep)
+
+    def _post(self, k: int, ins, meta) -> None:
+        info, local = self.infos[k], self.locals[k]
+        outs = tuple(o.view(-1, *t.shape[1:]) for o, t in zip(self._outputs[k], ins))
+        dtype = self.mp_policy.param_dtype or info.sharded.dtype
+        if k < len(self._full) and self._full[k] is not None:
+            with torch.no_grad():
+                local.fsdp_post_all_gather(outs, meta, dtype, out=self._full[k])
+            for t in self._inner[k]:
+                _alloc(t)
+            return
+        with torch.no_grad():
+            full, inner = local.fsdp_post_all_gather(outs, meta, dtype)
+        if tuple(full.shape) != tuple(info.sharded.shape):
+            raise RuntimeError(
+                f"ragged_fsdp: {info.fqn!r}: {type(local).__name__}.fsdp_post_all_gather returned shape "
+                f"{tuple(full.shape)}, expected {tuple(info.sharded.shape)}. Its metadata must carry the full "
+                "shape (the 5-argument fsdp_pre_all_gather gets it as outer_size): ranks hold different "
+                "numbers of rows here, so local rows x world size is not the full shape"
+            )
+        self._full.append(full)
+        self._inner.append(tuple(inner))
+        info.unsharded = nn.Parameter(full, requires_grad=False)
+
+    # -- registration / free -------------------------------------------------------------
+    def unsharded_param(self, info) -> nn.Parameter:
+        return info.unsharded
+
+    def free(self) -> None:
+        freed = False
+        for outs in self._outputs:
+            for o in outs:
+                freed |= o.untyped_storage().size() > 0
+                o.untyped_storage().resize_(0)
+        for inner in self._inner:
+            for t in inner:
+                t.untyped_storage().resize_(0)
+        if freed:
+            trace.record("free", self, sum(o.numel() * o.element_size() for outs in self._outputs for o in outs))
+
+    def keep_part(self) -> None:
+        raise NotImplementedError("tensor-subclass parameters with reshard_after_forward=<int>")
+
+
+def _alloc(t: torch.Tensor) -> None:
+    need = (t.storage_offset() + t.numel()) * t.element_size()
+    if t.untyped_storage().size() < need:
+        t.untyped_storage().resize_(need)
+
+
+class _All:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            if w is not None:
+                w.wait()
+
