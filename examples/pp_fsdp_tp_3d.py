@@ -17,7 +17,6 @@ import datetime
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleavedZeroBubble
@@ -25,29 +24,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from ragged_fsdp import fully_shard
-from ragged_fsdp.models import Llama, LlamaConfig
+from ragged_fsdp.models import Llama, LlamaConfig, LlamaStage
 
 STEPS, MICRO, SEQ, LR = 3, 4, 8, 0.5
-
-
-class Stage(nn.Module):
-    """Blocks ``lo..hi-1`` of the model, with the embedding (first stage) or the norm and
-    head (last stage); parameter names as in the whole model."""
-
-    def __init__(self, whole: Llama, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        self.tok_embeddings = whole.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(lo, hi)})
-        self.norm = whole.norm if last else None
-        self.output = whole.output if last else None
-        self.register_buffer("rope_cos", whole.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", whole.rope_sin, persistent=False)
-
-    def forward(self, x):
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)) if self.output is not None else h
 
 
 def loss_fn(logits, targets):
@@ -97,7 +76,7 @@ def train(mesh, looped: bool):
     whole, per = model(), 4 // n_stages
     stages, mods = [], []
     for s in mine:
-        m = Stage(whole, s * per, (s + 1) * per, s == 0, s == n_stages - 1)
+        m = LlamaStage(whole, s * per, (s + 1) * per, s == 0, s == n_stages - 1)
         for block in m.layers.values():
             tensor_parallel(block, tp_mesh)
             fully_shard(block, mesh=dp_mesh, reshard_after_forward=False)

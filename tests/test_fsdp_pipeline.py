@@ -16,34 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
 from _dist import check_case, full, run_cases
 
+from ragged_fsdp.models import LlamaStage
+
 WORLD = 4
 STEPS, MICRO, SEQ, LR = 2, 4, 8, 0.5
 LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-6
-
-
-class StageModule(nn.Module):
-    """Blocks ``lo..hi-1`` of a Llama, with the embedding (first stage) or the norm and head
-    (last stage); parameter names as in the whole model."""
-
-    def __init__(self, whole, lo: int, hi: int, first: bool, last: bool):
-        super().__init__()
-        self.tok_embeddings = whole.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): whole.layers[i] for i in range(lo, hi)})
-        self.norm = whole.norm if last else None
-        self.output = whole.output if last else None
-        self.register_buffer("rope_cos", whole.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", whole.rope_sin, persistent=False)
-
-    def forward(self, x):
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h)) if self.output is not None else h
 
 
 def _loss(logits, targets):
@@ -121,7 +102,7 @@ def _train(framework: str, schedule: str, *, hsdp: bool = False, reshard_after_f
     per = 4 // n_stages
     stages, mods = [], []
     for s in mine:
-        m = StageModule(whole, s * per, (s + 1) * per, s == 0, s == n_stages - 1)
+        m = LlamaStage(whole, s * per, (s + 1) * per, s == 0, s == n_stages - 1)
         for layer in m.layers.values():
             fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
         fully_shard(m, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
