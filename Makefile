@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(BIN)/python -m ragged_fsdp demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
 	# the engine's tests again on the ordering-checking device (tests/_checking_device.py), W = 2
 	RAGGED_FSDP_CHECK_ORDER=1 $(BIN)/python -m pytest -q tests/test_patterns_engine.py \
 		tests/test_fsdp_numerics.py tests/test_fsdp_mesh.py tests/test_optim_dist.py
