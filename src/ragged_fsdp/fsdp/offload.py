@@ -25,6 +25,8 @@ import weakref
 
 import torch
 
+from ragged_fsdp.dbuffer import DBuffer
+
 from . import tracing as trace
 from .device import Device, Pending
 from .offload_policy import OffloadPolicy
@@ -91,6 +93,11 @@ def attach(group, policy: OffloadPolicy) -> None:
             "fully_shard: offload_policy with params=True and all_gather_quant together are not "
             "implemented (the fp8 gather quantises the device segment); drop one of them")
     for u in group.units:
+        if not isinstance(u.buf, DBuffer):
+            raise NotImplementedError(
+                "fully_shard: offload_policy is not implemented for tensor-subclass weights "
+                "(fsdp_pre_all_gather / fsdp_post_all_gather, e.g. NF4 or float8): their gather "
+                "inputs live in the subclass's own buffers; wrap those modules without offload_policy")
         u.offload = UnitOffload(policy, group.dev)
         if policy.params:
             u.offload.params_to_host(u)
@@ -102,6 +109,8 @@ def attach(group, policy: OffloadPolicy) -> None:
 def release_staged(units) -> None:
     """Drop the device copies of host segments whose all-gathers were waited for."""
     for u in units:
+        if u.offload is None:  # nothing staged (also: subclass units, whose store has no host copy)
+            continue
         buf = u.buf
         if buf.staged is not None:
             trace.record("unstage", u, buf.staged.numel() * buf.staged.element_size())

@@ -31,6 +31,7 @@ from . import tracing as trace
 from .common import TrainingState
 from .init import state_of
 from .offload import host_empty, policy_of
+from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement.dtensor import wrap
 
 from .sharded_param import local_of, make_sharded_grad, repoint
@@ -129,6 +130,11 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
     dev = groups[0].dev
     mover = _Mover(dev, torch.device("cpu") if to_host else device, pin, "d2h" if to_host else "h2d")
     units, grads, states = [], [], []
+    if any(not isinstance(u.buf, DBuffer) for g in groups for u in g.units):
+        raise NotImplementedError(
+            "offload_to_host / load_to_device: not implemented for models with tensor-subclass "
+            "weights (fsdp_pre_all_gather / fsdp_post_all_gather, e.g. NF4 or float8): their gather "
+            "inputs live in the subclass's own buffers, not in DBuffers")
     for g in groups:
         if to_host:
             g.reshard()
