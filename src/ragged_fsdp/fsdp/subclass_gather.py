@@ -119,7 +119,7 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
         if a % cols or b % cols:
             raise ValueError(f"fully_shard: the layout gives rank {rank} elements [{a}, {b}) of {name!r}, not whole rows")
         r0, r1 = (a // cols, b // cols) if b > a else (0, 0)
-        piece = torch.split(data, [r0, r1 - r0, s.shape[0] - r1], dim=0)[1]
+        piece = _rows_of(name, data, r0, r1)
         sharded = make_sharded_param(piece, pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
                                      tuple(p.shape), p.requires_grad)
         info = ParamInfo(name, index, j, owners, sharded)
@@ -129,6 +129,22 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
         unit.modules.append(owners[0][0])
         group.infos.append(info)
     return unit
+
+
+def _rows_of(name: str, data: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a subclass value, as a value of the same subclass: by
+    ``split_with_sizes`` (what NF4 weights implement), else by ``slice`` (what torchao's
+    float8 training weight keeps its type under; it drops it under ``split_with_sizes``)."""
+    piece = torch.split(data, [r0, r1 - r0, data.shape[0] - r1], dim=0)[1]
+    if type(piece) is not type(data):
+        piece = data.narrow(0, r0, r1 - r0)
+    if type(piece) is not type(data):
+        raise TypeError(
+            f"fully_shard: {name!r}: rows of a {type(data).__name__} come back as {type(piece).__name__} "
+            "under both torch.split and narrow; its __torch_dispatch__ must keep its type under "
+            "aten.split_with_sizes or aten.slice to be sharded by rows"
+        )
+    return piece
 
 
 def call_pre_all_gather(local: torch.Tensor, mesh, outer_size, outer_stride, module, mp_policy):
@@ -331,9 +347,12 @@ class SubclassUnit(Unit):
                 "shape (the 5-argument fsdp_pre_all_gather gets it as outer_size): ranks hold different "
                 "numbers of rows here, so local rows x world size is not the full shape"
             )
-        self._full.append(full)
-        self._inner.append(tuple(inner))
+        # FSDP2 refills with out= the unsharded *parameter*: for a subclass, nn.Parameter(full)
+        # is another wrapper over the same inner tensors, and hooks that refresh wrapper
+        # attributes (torchao's float8 scale) must reach the one the module computes with
         info.unsharded = nn.Parameter(full, requires_grad=False)
+        self._full.append(info.unsharded)
+        self._inner.append(tuple(inner))
 
     # -- registration / free -------------------------------------------------------------
     def unsharded_param(self, info) -> nn.Parameter:
