@@ -398,6 +398,17 @@ def case_trainable_subclass(rank, world):
             opt.zero_grad()
             ropt.step()
             ropt.zero_grad()
+        # set_gradient_divide_factor(1.0): the sum over ranks, W times the mean
+        for blk in model:
+            blk.set_gradient_divide_factor(1.0)
+        model.set_gradient_divide_factor(1.0)
+        x = torch.randn(6, 10, generator=g)
+        model(x.chunk(W)[r]).square().mean().backward()
+        ref(x).square().mean().backward()
+        for blk, rblk in zip(model, ref):
+            a, b = _rows(model, W, r)[id(blk)]
+            got, want = blk.weight.grad._local_tensor, W * rblk.weight.grad[a:b]
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (W, "divide", (got - want).abs().max())
         for blk, rblk in zip(model, ref):
             a, b = _rows(model, W, r)[id(blk)]
             got = blk.weight._local_tensor._data
