@@ -46,15 +46,25 @@ def test_adopts_torchao_nf4_bitwise():
     assert torch.equal(torch.split(q, [64, 64])[1].dequantize(), t.get_original_weight()[64:])
 
 
-def test_torchtitan_refuses_trainable_float8_weights_only():
-    """torchao's float8 training weights run on CPU, but they are trainable subclass
-    parameters, which the engine does not reduce: the torchtitan shim refuses them by name."""
-    float8 = pytest.importorskip("torchao.float8")
-    from ragged_fsdp.integrations.torchtitan.shard import fully_shard_for_torchtitan
+class _OtherHooked(torch.Tensor):
+    """A tensor subclass with FSDP2's all-gather hooks that is not torchao's float8 weight."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        raise AssertionError("not reached: refused before fully_shard")
+
+    def fsdp_post_all_gather(self, outs, metadata, param_dtype, *, out=None):
+        raise AssertionError("not reached: refused before fully_shard")
+
+
+def test_torchtitan_refuses_untested_trainable_subclass_weights():
+    """The torchtitan shim lets the float8 Linear converter's trainable weights through
+    (trained against torch's fully_shard in test_quantized_weights.py) and refuses other
+    trainable subclass weights (MX / NVFP4) by name."""
+    from ragged_fsdp.integrations.torchtitan.shard import _TESTED_TRAINABLE, fully_shard_for_torchtitan
     from ragged_fsdp.integrations.torchtitan.support import Refused
 
-    m = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
-    float8.convert_to_float8_training(m, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True))
-    m(torch.randn(4, 64)).sum().backward()  # the converter itself works on CPU here
-    with pytest.raises(Refused, match="trainable WeightWithDynamicFloat8CastTensor"):
+    assert ("torchao.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor") in _TESTED_TRAINABLE
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False))
+    m[0].weight = torch.nn.Parameter(torch.randn(8, 8).as_subclass(_OtherHooked))
+    with pytest.raises(Refused, match="trainable _OtherHooked"):
         fully_shard_for_torchtitan(m)

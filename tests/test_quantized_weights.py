@@ -1,5 +1,6 @@
 """Tensor-subclass parameters with their own all-gather (FSDP2's fsdp_pre/post_all_gather)
-and QLoRA with NF4 base weights whose quantisation blocks stay whole.
+and QLoRA with NF4 base weights whose quantisation blocks stay whole; trainable subclass
+weights (a float8-like test weight) against the same model in one process.
 
 One launch of 3 gloo ranks; sub-meshes give W = 1 (each rank alone), 2 (ranks 0, 1) and 3.
 """
@@ -171,11 +172,6 @@ def case_subclass_errors(rank, world):
     from ragged_fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
-    w = Int8RowsFive.quantize(torch.randn(8, 8), 4)
-    trainable = nn.Linear(8, 8)
-    trainable.weight = nn.Parameter(w)  # requires_grad=True
-    with pytest.raises(NotImplementedError, match="trainable Int8RowsFive"):
-        fully_shard(trainable, mesh=mesh)
     bad = QLinear(Int8RowsFive.quantize(torch.randn(8, 8), 4))
     with pytest.raises(ValueError, match="granularity_fn returned 'row'"):
         fully_shard(bad, mesh=mesh, granularity_fn=lambda n, p: "row" if n == "weight" else None)
@@ -251,7 +247,176 @@ def case_qlora(rank, world):
             b.reshard()
 
 
-CASES = [case_subclass_round_trip, case_subclass_errors, case_qlora]
+# -- trainable subclass weights --------------------------------------------------------
+
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def qdq_rows(w: torch.Tensor) -> torch.Tensor:
+    """The float8 round trip with one scale per row (what the test weight's all-gather does)."""
+    scale = w.abs().amax(1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (w / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+class Fp8RowWeight(torch.Tensor):
+    """A trainable test weight like torchao's float8 training weight: an fp32 master tensor
+    whose all-gather sends float8 codes and one fp32 scale per row, dequantised after the
+    gather. Ops on it (the optimizer's) act on the master tensor."""
+
+    _KEEP = None  # ops whose tensor outputs stay Fp8RowWeight (set below)
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device,
+                                                   strides=data.stride())
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"Fp8RowWeight({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Fp8RowWeight(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t._data if isinstance(t, Fp8RowWeight) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        if func._schema.is_mutable or func is torch.ops.aten.copy_.default:
+            return args[0]
+        if func in cls._KEEP:
+            return torch.utils._pytree.tree_map(lambda t: Fp8RowWeight(t) if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        scale = self._data.abs().amax(1).clamp_min(1e-12) / FP8_MAX
+        codes = (self._data / scale[:, None]).to(torch.float8_e4m3fn)
+        return (codes, scale), tuple(outer_size)
+
+    def fsdp_post_all_gather(self, outs, metadata, param_dtype, *, out=None):
+        codes, scale = outs
+        full = codes.view(metadata).to(param_dtype) * scale[:, None].to(param_dtype)
+        if out is not None:
+            # the refill for backward: autograd saved views of ``out`` in forward, and the
+            # values are the same ones (the master did not change in between)
+            with torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(full)
+            return None
+        return full, (full,)
+
+
+_a = torch.ops.aten
+Fp8RowWeight._KEEP = {_a.detach.default, _a.alias.default, _a.split_with_sizes.default, _a.split.Tensor,
+                      _a.slice.Tensor, _a.view.default, _a.clone.default, _a._to_copy.default}
+
+
+class Block(nn.Module):
+    def __init__(self, w, b):
+        super().__init__()
+        self.weight = nn.Parameter(w)
+        self.bias = nn.Parameter(b)
+
+    def forward(self, x):
+        return torch.tanh(F.linear(x, self.weight, self.bias))
+
+
+class RefBlock(Block):
+    def forward(self, x):  # the gathered weight is the per-row float8 round trip; its grad goes to the master
+        w = self.weight + (qdq_rows(self.weight) - self.weight).detach()
+        return torch.tanh(F.linear(x, w, self.bias))
+
+
+SHAPES = [(8, 10), (7, 8), (5, 7)]  # 7 and 5 rows: uneven row splits at W = 2 and 3
+
+
+def _models():
+    torch.manual_seed(0)
+    ps = [(torch.randn(o, i) / i ** 0.5, torch.randn(o) * 0.1) for o, i in SHAPES]
+    ref = nn.Sequential(*[RefBlock(w.clone(), b.clone()) for w, b in ps])
+    model = nn.Sequential(*[Block(Fp8RowWeight(w.clone()), b.clone()) for w, b in ps])
+    return ref, model
+
+
+def _rows(model, W, rank):
+    from ragged_fsdp.fsdp.subclass_gather import SubclassUnit
+
+    out = {}
+    for blk in model:
+        for u in blk._fsdp_state().group.units:
+            if isinstance(u, SubclassUnit):
+                for s in u.buf.slots:
+                    a, b = s.placement.element_range(s.shape, rank)
+                    out[id(blk)] = (a // s.shape[1], b // s.shape[1])
+    return out
+
+
+def case_trainable_subclass(rank, world):
+    """AdamW steps, one of them accumulating two backwards (the second under no_sync), against
+    the same model in one process. Each rank computes on its share of a batch of 6 and the
+    gradients are averaged: the sum of 2 or 3 fp32 partial means differs from the one-process
+    mean in the last bits, so losses and weights agree to 1e-5 relative, not bitwise."""
+    from torch.distributed.tensor import DTensor
+
+    from ragged_fsdp import fully_shard
+
+    for W, mesh in _meshes(rank)[1:]:
+        ref, model = _models()
+        if mesh is None:
+            continue
+        for blk in model:
+            fully_shard(blk, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        r = mesh.get_local_rank()
+        for step in range(3):
+            micro = 2 if step == 1 else 1
+            for m in range(micro):
+                x = torch.randn(6, 10, generator=g)
+                last = m == micro - 1
+                model.set_requires_gradient_sync(last)
+                loss = model(x.chunk(W)[r]).square().mean() / micro
+                loss.backward()
+                rloss = ref(x).square().mean() / micro
+                rloss.backward()
+            for blk in model:
+                gw = blk.weight.grad
+                assert isinstance(gw, DTensor) and type(gw._local_tensor) is torch.Tensor, (W, type(gw))
+                assert type(blk.weight._local_tensor) is Fp8RowWeight
+            for blk, rblk in zip(model, ref):
+                a, b = _rows(model, W, r)[id(blk)]
+                want = rblk.weight.grad[a:b]
+                got = blk.weight.grad._local_tensor
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (W, step, (got - want).abs().max())
+            opt.step()
+            opt.zero_grad()
+            ropt.step()
+            ropt.zero_grad()
+        # set_gradient_divide_factor(1.0): the sum over ranks, W times the mean
+        for blk in model:
+            blk.set_gradient_divide_factor(1.0)
+        model.set_gradient_divide_factor(1.0)
+        x = torch.randn(6, 10, generator=g)
+        model(x.chunk(W)[r]).square().mean().backward()
+        ref(x).square().mean().backward()
+        for blk, rblk in zip(model, ref):
+            a, b = _rows(model, W, r)[id(blk)]
+            got, want = blk.weight.grad._local_tensor, W * rblk.weight.grad[a:b]
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (W, "divide", (got - want).abs().max())
+        for blk, rblk in zip(model, ref):
+            a, b = _rows(model, W, r)[id(blk)]
+            got = blk.weight._local_tensor._data
+            assert type(blk.weight._local_tensor) is Fp8RowWeight
+            assert torch.allclose(got, rblk.weight.detach()[a:b], rtol=1e-5, atol=1e-6), (W, (got - rblk.weight[a:b]).abs().max())
+
+
+CASES = [case_subclass_round_trip, case_subclass_errors, case_qlora, case_trainable_subclass]
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +427,56 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_case(results, case):
     check_case(results, case, WORLD)
+
+
+# -- torchao's float8 training weights against torch's FSDP2 (only where torchao is installed) ---
+
+def _float8_model():
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 32))
+    convert_to_float8_training(m, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True))
+    return m
+
+
+def case_torchao_float8(rank, world):
+    """4 AdamW steps of torchao's Float8Linear (float8 all-gather, fp32 master weights) under
+    ragged_fsdp and under torch's fully_shard: the same casts of the same values, and the
+    gradient sums of 2 ranks (a + b is b + a), so losses agree to 1e-5 relative (measured: equal)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ragged_fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    losses = {}
+    for name, shard in (("fsdp2", torch_fully_shard), ("ragged", fully_shard)):
+        m = _float8_model()
+        for k in (0, 2, 4):
+            shard(m[k], mesh=mesh)
+        shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        g = torch.Generator().manual_seed(1)
+        losses[name] = []
+        for _ in range(4):
+            x = torch.randn(8 * world, 32, generator=g).chunk(world)[rank]
+            loss = m(x).square().mean()
+            loss.backward()
+            gw = m[0].weight.grad
+            assert type(m[0].weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor", name
+            assert isinstance(gw, DTensor) and type(gw._local_tensor) is torch.Tensor, (name, type(gw))
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses[name].append(t.item() / world)
+    for step, (a, b) in enumerate(zip(losses["fsdp2"], losses["ragged"])):
+        assert abs(a - b) <= 1e-5 * abs(a), (step, a, b)
+
+
+def test_torchao_float8_vs_fsdp2():
+    pytest.importorskip("torchao")
+    check_case(run_cases(2, [case_torchao_float8]), case_torchao_float8, 2)

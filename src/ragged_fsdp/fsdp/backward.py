@@ -140,7 +140,7 @@ class BackwardNeeds:
     def hook_owner_modules(self) -> None:
         """PostBackward nodes on the owner modules of the units that may be reduced early."""
         g = self.g
-        trainable = [u for u in g.units if u.trainable]
+        trainable = [u for u in g.units if u.trainable and u.reduces_early]
         if len(trainable) < 2:
             return
         tops = {id(m) for m in g.modules}

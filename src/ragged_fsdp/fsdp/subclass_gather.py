@@ -21,18 +21,26 @@ call gets ``out=`` the unsharded tensor it returned the first time, so tensors a
 see the new data. Freeing resizes the outputs (and the inner tensors the hook returned) to
 zero bytes, as FSDP2 does.
 
-Only frozen parameters (``requires_grad=False``, the QLoRA base weights) are handled here;
-a trainable subclass parameter is refused by name at ``fully_shard``.
+Trainable subclass parameters (torchao's float8 training weights) get their gradients as
+FSDP2 gives them: the unsharded parameter is the ``fsdp_post_all_gather`` output wrapped as an
+``nn.Parameter``; its gradient, a plain tensor of the full shape, accumulates into a plain
+gradient buffer of the unit's layout in the reduce dtype (``SubclassStore`` has the gradient
+half of a DBuffer), which the engine's reductions reduce-scatter like any other unit's; each
+sharded parameter's ``.grad`` is a plain RaggedShard DTensor of its rows (the optimizer then
+updates the subclass piece through the subclass's own ops). Such units are never reduced
+early (their unsharded data is not one flat buffer that the early-reduction watch can see).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
 import torch
 import torch.nn as nn
 
+from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.planner.granularity import Granularity
 
@@ -87,13 +95,6 @@ def extension_granularity(name: str, data: torch.Tensor, requested: Granularity 
 
 def check_extension(name: str, p: nn.Parameter, pl) -> None:
     """What this engine does not do with subclass parameters, refused by name."""
-    if p.requires_grad:
-        raise NotImplementedError(
-            f"fully_shard: {name!r} is a trainable {type(pl.data).__name__} with its own all-gather; "
-            "ragged_fsdp gathers tensor-subclass parameters only when they are frozen "
-            "(requires_grad=False, e.g. QLoRA's NF4 base weights): gradients of trainable ones "
-            "(torchao's float8 training weights) are not reduced yet. Freeze it, or leave it to torch's fully_shard"
-        )
     if pl.unsharded_spec is not None or pl.dp.replicate is not None or pl.dp.spmd_mesh is not None:
         raise NotImplementedError(
             f"fully_shard: {name!r} is a {type(pl.data).__name__} with its own all-gather; those are "
@@ -104,8 +105,11 @@ def check_extension(name: str, p: nn.Parameter, pl) -> None:
 def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "SubclassUnit":
     """A unit for ``items`` (``(name, param, owners, placement)``, the slot order of ``layout``):
     each rank keeps its rows of every subclass value, split along dim 0."""
-    store = SubclassStore(layout, group.device, items[0][1].dtype)
-    unit = SubclassUnit(index, store, dp, group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh)
+    dtype = items[0][1].dtype
+    compute = mp_policy.param_dtype or dtype
+    store = SubclassStore(layout, group.device, dtype, compute, mp_policy.reduce_dtype or compute)
+    unit = SubclassUnit(index, store, dp, group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh,
+                        after_grad=group._after_grad)
     rank = dp.shard.rank
     for j, (name, p, owners, pl) in enumerate(items):
         s = layout.slots[j]
@@ -115,9 +119,9 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
         if a % cols or b % cols:
             raise ValueError(f"fully_shard: the layout gives rank {rank} elements [{a}, {b}) of {name!r}, not whole rows")
         r0, r1 = (a // cols, b // cols) if b > a else (0, 0)
-        piece = torch.split(data, [r0, r1 - r0, s.shape[0] - r1], dim=0)[1]
+        piece = _rows_of(name, data, r0, r1)
         sharded = make_sharded_param(piece, pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
-                                     tuple(p.shape), False)
+                                     tuple(p.shape), p.requires_grad)
         info = ParamInfo(name, index, j, owners, sharded)
         info.register(sharded)
         unit.infos.append(info)
@@ -125,6 +129,22 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
         unit.modules.append(owners[0][0])
         group.infos.append(info)
     return unit
+
+
+def _rows_of(name: str, data: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a subclass value, as a value of the same subclass: by
+    ``split_with_sizes`` (what NF4 weights implement), else by ``slice`` (what torchao's
+    float8 training weight keeps its type under; it drops it under ``split_with_sizes``)."""
+    piece = torch.split(data, [r0, r1 - r0, data.shape[0] - r1], dim=0)[1]
+    if type(piece) is not type(data):
+        piece = data.narrow(0, r0, r1 - r0)
+    if type(piece) is not type(data):
+        raise TypeError(
+            f"fully_shard: {name!r}: rows of a {type(data).__name__} come back as {type(piece).__name__} "
+            "under both torch.split and narrow; its __torch_dispatch__ must keep its type under "
+            "aten.split_with_sizes or aten.slice to be sharded by rows"
+        )
+    return piece
 
 
 def call_pre_all_gather(local: torch.Tensor, mesh, outer_size, outer_stride, module, mp_policy):
@@ -143,24 +163,38 @@ def call_pre_all_gather(local: torch.Tensor, mesh, outer_size, outer_stride, mod
 
 class SubclassStore:
     """What the group reads from a unit's ``buf`` when the unit holds subclass parameters:
-    the layout (which rows are whose) and no flat storage of its own (the pieces keep
-    theirs; they never receive gradients)."""
+    the layout (which rows are whose), no flat parameter storage of its own (the pieces keep
+    theirs), and a DBuffer's gradient half: a plain unsharded gradient buffer in the reduce
+    dtype with per-slot aliases, and plain sharded gradient segments of ``dtype`` (the
+    parameters' outer dtype), which the reductions fill."""
 
     quant = None
-    grad = None
     aliased = False
+    host_sharded = False
+    staged = None
 
-    def __init__(self, layout, device: torch.device, dtype: torch.dtype):
+    def __init__(self, layout, device: torch.device, dtype: torch.dtype, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype):
         self.layout = layout
         self.device = torch.device(device)
         self.dtype = dtype
-        self.compute_dtype = dtype
-        self.reduce_dtype = dtype
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
         self.wire_bytes = 0  # bytes one gather receives on this rank (set at the first gather)
+        self.grad: torch.Tensor | None = None
+        self._grad_views: list[torch.Tensor] = []
+        self._grad_versions: list[int] = []
 
-    @property
-    def slots(self):
-        return self.layout.slots
+    slots = DBuffer.slots
+    world_size = DBuffer.world_size
+    rank = DBuffer.rank
+    segment = DBuffer.segment
+    local_view = DBuffer.local_view
+    alloc_grad = DBuffer.alloc_grad
+    grad_view = DBuffer.grad_view
+    grad_touched = DBuffer.grad_touched
+    take_grad = DBuffer.take_grad
+    new_sharded_grad = DBuffer.new_sharded_grad
 
     @property
     def unsharded_allocated(self) -> bool:
@@ -178,10 +212,12 @@ class SubclassStore:
 
 
 class SubclassUnit(Unit):
-    """A unit of frozen subclass parameters (see the module docstring)."""
+    """A unit of subclass parameters (see the module docstring)."""
 
-    def __init__(self, index, store: SubclassStore, dp, *, group_name, mp_policy, mesh):
-        super().__init__(index, store, dp, embedding=False, group_name=group_name, after_grad=lambda p: None)
+    reduces_early = False
+
+    def __init__(self, index, store: SubclassStore, dp, *, group_name, mp_policy, mesh, after_grad):
+        super().__init__(index, store, dp, embedding=False, group_name=group_name, after_grad=after_grad)
         self.mp_policy = mp_policy
         self.mesh = mesh  # what fsdp_pre_all_gather gets as its mesh (FSDP2: the shard mesh)
         self.locals: list[torch.Tensor] = []  # this rank's subclass piece per slot
@@ -190,10 +226,7 @@ class SubclassUnit(Unit):
         self._outputs: list[list[torch.Tensor]] = []  # per slot: the flat all-gather outputs
         self._full: list[torch.Tensor | None] = []
         self._inner: list[tuple[torch.Tensor, ...]] = []
-
-    @property
-    def trainable(self) -> bool:
-        return False
+        self._hooked: set[int] = set()  # slots whose unsharded parameter has the gradient hooks
 
     def unsharded_bytes(self) -> int:
         return self.buf.wire_bytes
@@ -300,10 +333,10 @@ class SubclassUnit(Unit):
         outs = tuple(o.view(-1, *t.shape[1:]) for o, t in zip(self._outputs[k], ins))
         dtype = self.mp_policy.param_dtype or info.sharded.dtype
         if k < len(self._full) and self._full[k] is not None:
+            for t in self._inner[k]:  # as FSDP2: the inner tensors have storage again before the hook refills
+                _alloc(t)
             with torch.no_grad():
                 local.fsdp_post_all_gather(outs, meta, dtype, out=self._full[k])
-            for t in self._inner[k]:
-                _alloc(t)
             return
         with torch.no_grad():
             full, inner = local.fsdp_post_all_gather(outs, meta, dtype)
@@ -314,13 +347,26 @@ class SubclassUnit(Unit):
                 "shape (the 5-argument fsdp_pre_all_gather gets it as outer_size): ranks hold different "
                 "numbers of rows here, so local rows x world size is not the full shape"
             )
-        self._full.append(full)
-        self._inner.append(tuple(inner))
+        # FSDP2 refills with out= the unsharded *parameter*: for a subclass, nn.Parameter(full)
+        # is another wrapper over the same inner tensors, and hooks that refresh wrapper
+        # attributes (torchao's float8 scale) must reach the one the module computes with
         info.unsharded = nn.Parameter(full, requires_grad=False)
+        self._full.append(info.unsharded)
+        self._inner.append(tuple(inner))
 
     # -- registration / free -------------------------------------------------------------
     def unsharded_param(self, info) -> nn.Parameter:
-        return info.unsharded
+        p = info.unsharded
+        if p.requires_grad != info.sharded.requires_grad:
+            p.requires_grad_(info.sharded.requires_grad)
+        if p.requires_grad and info.slot not in self._hooked:
+            # as Unit.unsharded_param: the gradient lands in the plain gradient buffer's alias
+            if self.buf.reduce_dtype != p.dtype:
+                p.grad_dtype = self.buf.reduce_dtype
+            p.register_hook(functools.partial(self._on_grad, info))
+            p.register_post_accumulate_grad_hook(self._after_grad)
+            self._hooked.add(info.slot)
+        return p
 
     def free(self) -> None:
         freed = False

@@ -81,6 +81,8 @@ def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor
 class Unit:
     """One DBuffer and its per-step state (see the module docstring)."""
 
+    reduces_early = True  # may be reduced before the group's post-backward (see .backward)
+
     def __init__(self, index: int, buf: DBuffer, dp: DPMesh, *, embedding: bool,
                  group_name: Callable[[], str], after_grad: Callable[[torch.Tensor], None]):
         self.index = index

@@ -52,19 +52,28 @@ def _local_shape_param(p: nn.Parameter):
     return local if local is not None else p
 
 
+# trainable tensor-subclass weights trained against torch's fully_shard (module, class name)
+_TESTED_TRAINABLE = {("torchao.float8.fsdp_utils", "WeightWithDynamicFloat8CastTensor")}
+
+
 def fully_shard_for_torchtitan(module, *, shard_placement_fn=None, **kwargs):
     """ragged_fsdp's ``fully_shard`` taking torchtitan's arguments as FSDP2 does."""
     modules = module if isinstance(module, (list, tuple)) else [module]
     for m in modules:
         for name, p in m.named_parameters():
             # frozen subclass weights (e.g. NF4 QLoRA bases) go through fully_shard's subclass
-            # all-gather; trainable ones (the float8 / MX / NVFP4 converters' weights) need a
-            # gradient path for subclass parameters that the engine does not have yet
-            if p.requires_grad and (hasattr(type(p.data), "fsdp_pre_all_gather") or hasattr(type(p), "fsdp_pre_all_gather")):
+            # all-gather, and so do the float8 converter's trainable weights (tested against
+            # torch's fully_shard, see docs/quantized-weights.md); the MX / NVFP4 converters'
+            # and the float8 grouped experts' weights are not tested with it
+            data = p.data
+            if (p.requires_grad and (hasattr(type(data), "fsdp_pre_all_gather") or hasattr(type(p), "fsdp_pre_all_gather"))
+                    and (type(data).__module__, type(data).__name__) not in _TESTED_TRAINABLE):
                 raise Refused(
-                    f"{PREFIX}: parameter {name!r} of {type(m).__name__} is a trainable {type(p.data).__name__} "
-                    "with its own FSDP all-gather (float8 / MX / NVFP4 converters); ragged_fsdp gathers "
-                    "tensor-subclass weights only when they are frozen. Remove the converter from --model.converters"
+                    f"{PREFIX}: parameter {name!r} of {type(m).__name__} is a trainable {type(data).__name__} "
+                    "with its own FSDP all-gather (MX / NVFP4 converters, float8 grouped experts); ragged_fsdp "
+                    "trains tensor-subclass weights through that all-gather only for the float8 Linear converter "
+                    "(torchao's WeightWithDynamicFloat8CastTensor), the one tested against torch's fully_shard. "
+                    "Remove the converter from --model.converters"
                 )
     if shard_placement_fn is not None:
         user_fn = kwargs.pop("granularity_fn", None)
