@@ -175,6 +175,20 @@ def case_subclass_errors(rank, world):
     bad = QLinear(Int8RowsFive.quantize(torch.randn(8, 8), 4))
     with pytest.raises(ValueError, match="granularity_fn returned 'row'"):
         fully_shard(bad, mesh=mesh, granularity_fn=lambda n, p: "row" if n == "weight" else None)
+    # offload moves DBuffers; a subclass weight's gather inputs live in its own buffers
+    from ragged_fsdp import OffloadPolicy, offload_to_host
+    from ragged_fsdp.fsdp.offload_policy import force_host_copies
+
+    force_host_copies(True)  # on a CPU mesh a policy moves nothing unless host copies are forced
+    try:
+        with pytest.raises(NotImplementedError, match="offload_policy is not implemented for tensor-subclass"):
+            fully_shard(QLinear(Int8RowsFive.quantize(torch.randn(8, 8), 4)), mesh=mesh,
+                        offload_policy=OffloadPolicy(optimizer_states=True))
+    finally:
+        force_host_copies(False)
+    ok = fully_shard(QLinear(Int8RowsFive.quantize(torch.randn(8, 8), 4)), mesh=mesh)
+    with pytest.raises(NotImplementedError, match="not implemented for models with tensor-subclass"):
+        offload_to_host(ok)
 
 
 def _qlora_model():
