@@ -25,7 +25,6 @@ import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 
