@@ -25,7 +25,8 @@ ASSUMPTIONS = [
     "reduce-scatter's sum exposed (async); CP: K/V ring under each attention chunk; PP: the schedule's bubble",
     "copy-out / copy-in at memory bandwidth on the compute stream; optimizer memory-bound",
     "activations: per-block saved tensors counted from the architecture and the AC policy (flash attention, no "
-    "S^2 term), divided by TP and CP; loss 12 bytes per logit eager (MemTracker: 11.7), 4 compiled",
+    "S^2 term), divided by TP and CP; loss 12 bytes per logit eager (MemTracker: 11.7), 16 per local logit under TP's "
+    "loss_parallel (MemTracker: 15.9), 4 compiled",
     "memory: peak allocated x (1 + the fitted allocator reserve) + a fixed reserve (profile reserved_bytes) for "
     "the CUDA context and NCCL",
     "ragged_fsdp's granularity follows the optimizer: element for adamw and muon (Muon's owners get the "
