@@ -64,26 +64,31 @@ class Arch:
         return 6.0 * (self.active_params - embed) + 6.0 * self.layers * self.heads * seq * (self.qk_dim + self.v_dim)
 
     # -- activations --------------------------------------------------------------------
-    def layer_act_elems(self, moe: bool) -> float:
-        """Elements one transformer block saves for backward per token (no checkpointing):
-        attention: two norm outputs and residual (3h), q (H*d_qk, also its RoPE'd copy), k
-        and v (2*kv_dim, and RoPE'd k), attention output and o_proj input (2*H*d_v), softmax
-        stats (H); MLP: gate, up, activation, product (4*inter); MoE: per routed token its
-        input copy and output (2h) plus 4*moe_inter, the router's probabilities (E), and the
-        shared expert (4*shared_inter)."""
-        h, H = self.hidden, self.heads
-        attn = 3 * h + 2 * H * self.qk_dim + 3 * self.kv_dim + 2 * H * self.v_dim + H
-        if moe:
-            mlp = self.top_k * (2 * h + 4 * self.moe_inter) + self.experts + 4 * self.shared_inter
-        else:
-            mlp = 4 * self.inter
-        return float(attn + mlp)
+    def layer_act_bytes(self, moe: bool, cb: int) -> tuple[float, float]:
+        """(split, gathered) bytes one transformer block saves for backward per token with no
+        checkpointing, in compute dtype ``cb``; under TP with sequence parallelism the first
+        part divides by ``tp`` and the second does not.
 
-    def act_elems_per_token(self) -> tuple[float, float]:
-        """(sum over all blocks, the largest block) of saved elements per token."""
-        dense = self.layers - self.moe_layers
-        per = [self.layer_act_elems(False)] * dense + [self.layer_act_elems(True)] * self.moe_layers
-        return sum(per), max(per) if per else 0.0
+        What autograd keeps in a Llama block (``tests/test_sim_activations.py`` checks it
+        against MemTracker on the reference block, alone and under TP 2 + SP): each RMSNorm
+        its input upcast to fp32, the normalised result in the compute dtype and the fp32
+        1/rms (torchtitan's own RMSNorm through December 2024 and Hugging Face's do this;
+        ``nn.RMSNorm``'s composite, torchtitan's block in 2025, keeps a second fp32 copy
+        instead of the compute-dtype one: measured on torchtitan 820504e's block, not
+        modelled); SDPA q, the expanded k and v (``repeat_kv``: every head), its output
+        (the o projection's input, the same storage) and the fp32 log-sum-exp; SwiGLU gate,
+        up, the activation and their product. MoE layers (counted, not measured): per routed
+        token its input copy and output (2h) and 4*moe_inter, the router's probabilities
+        (E), the shared expert 4*shared_inter. Gathered: the two norm outputs, which under SP
+        are all-gathered over the sequence before the column-parallel linears that save them."""
+        h, H = self.hidden, self.heads
+        norms = 2 * (h * (4 + cb) + 4)  # two norms, each with its fp32 1/rms per token
+        attn = (2 * H * self.qk_dim + 2 * H * self.v_dim) * cb + 4 * H
+        if moe:
+            mlp = (self.top_k * (2 * h + 4 * self.moe_inter) + self.experts + 4 * self.shared_inter) * cb
+        else:
+            mlp = 4 * self.inter * cb
+        return float(norms + attn + mlp), float(2 * h * cb)
 
 
 def arch_from_shapes(m: ModelShapes) -> Arch:

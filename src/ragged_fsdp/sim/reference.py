@@ -88,8 +88,7 @@ def reference_memory(framework: str, arch: Arch, world: int, batch: int, seq: in
     one rank, with the bench's wrapping: blocks resharded after forward, the root kept."""
     L = group_layouts(arch.groups, framework, world, itemsize=4)
     tokens = batch * seq
-    per_tok, largest = arch.act_elems_per_token()
-    blocks = [arch.layer_act_elems(bool(arch.moe_layers)) * tokens * 4 for _ in arch.groups[1:]]
+    blocks = [sum(arch.layer_act_bytes(bool(arch.moe_layers), 4)) * tokens for _ in arch.groups[1:]]
     # root: embedding output (h) and final norm + its output (2h) per token
     act_saved = [3 * arch.hidden * tokens * 4] + blocks
     # fp32 logits, log-softmax and its gradient

@@ -14,7 +14,8 @@ from . import fitted
 from .arch import Arch, resolve_model
 from .breakdown import breakdown
 from .buffers import DIFFERENCES
-from .compute import compute_times, group_flops, is_fp8_linear, op_sac, tp_feed
+from .activations import saved_bytes_per_token
+from .compute import compute_times, group_flops, is_fp8_linear, tp_feed
 from .context import ring_exposed
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
@@ -132,21 +133,6 @@ def _stages(arch: Arch, pp: int) -> list[tuple[int, list]]:
     return out
 
 
-def _saved_per_token(arch: Arch, tensors, moe: bool, mode: str, layer_idx: int) -> float:
-    """Elements one block saves for backward per token under ``mode``."""
-    full = arch.layer_act_elems(moe)
-    if mode == "none":
-        return full
-    if mode == "full":
-        return float(arch.hidden)
-    if mode == "selective":  # torchtitan's per-layer SAC: every 2nd block checkpointed
-        return full if layer_idx % 2 else float(arch.hidden)
-    # per-op SAC: the block input, every other matmul output, attention output and its
-    # fp32 log-sum-exp (counted in compute-dtype elements: 2 per head)
-    saved, _, _ = op_sac(tensors, arch.top_k / arch.experts if arch.experts else 1.0)
-    return arch.hidden + saved + arch.heads * arch.v_dim + 2 * arch.heads
-
-
 def _fp8_fraction(tensors) -> float:
     tot = sum(math.prod(s) for _, s in tensors)
     return sum(math.prod(s) for n, s in tensors if is_fp8_linear(n, s)) / tot if tot else 0.0
@@ -201,9 +187,8 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
             saved.append(0.0)
             continue
         moe = bool(arch.moe_layers) and layer_idx >= arch.layers - arch.moe_layers
-        per_tok = _saved_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx)
-        saved.append(per_tok * tokens / mesh.tp * cb)
-        work = max(work, arch.layer_act_elems(moe) * tokens / mesh.tp * cb)
+        saved.append(saved_bytes_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx, cb, mesh.tp) * tokens)
+        work = max(work, saved_bytes_per_token(arch, tensors, moe, "none", layer_idx, cb, mesh.tp) * tokens)
         mm_f = f - gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
         e, t = tp_block_comm(prof, mesh.tp, 1, tokens, arch.hidden, cb, 1.0 if rc.float8 == "tensorwise" else cb,
                              sc.act_ckpt, rc.async_tp, mm_f, tp_feed(gf, prof, rc, fp32=(cb == 4)))
