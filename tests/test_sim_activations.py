@@ -1,7 +1,8 @@
 """The simulator's per-block activation count against what a real block keeps for backward
 (MemTracker), on one process and under TP 2 with sequence parallelism (torchtitan's Llama
-plan), with no checkpointing and with torchtitan's per-op selective policy. One launch of
-two gloo ranks; exact up to the RoPE tables (not per token)."""
+plan), with no checkpointing and with torchtitan's per-op selective policy (one launch of
+two gloo ranks), and under ``torch.compile`` on one process (inductor's partitioner decides
+what is kept; read with saved-tensor hooks). Exact up to the RoPE tables (not per token)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -83,7 +84,7 @@ def _measure(rank, world, tp, mode):
     return held, cfg, B * T
 
 
-def _predicted(cfg, tokens, tp, mode):
+def _predicted(cfg, tokens, tp, mode, compiled=False):
     from ragged_fsdp.sim.activations import saved_bytes_per_token
     from ragged_fsdp.sim.arch import Arch
 
@@ -94,8 +95,8 @@ def _predicted(cfg, tokens, tp, mode):
                ("layers.0.feed_forward.w1.weight", (cfg.hidden, h)), ("layers.0.feed_forward.w3.weight", (cfg.hidden, h)),
                ("layers.0.feed_forward.w2.weight", (h, cfg.hidden))]
     arch = Arch("block", [("layers.0", tensors)], 1, h, cfg.vocab_size, cfg.n_heads, hd, hd, kv, cfg.hidden)
-    got = saved_bytes_per_token(arch, tensors, False, mode, 0, 2, tp) * tokens
-    if mode == "op":  # the block's input is kept by the checkpoint, allocated before it
+    got = saved_bytes_per_token(arch, tensors, False, mode, 0, 2, tp, compiled) * tokens
+    if mode == "op" or compiled:  # the block's input, kept too, is allocated before the block
         got -= h * 2 * tokens / tp
     return got
 
@@ -126,3 +127,39 @@ def results():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_activation_count_matches_memtracker(results, case):
     check_case(results, case)
+
+
+@pytest.mark.parametrize("mode", ["none", "op"])
+def test_compiled_block_activation_count(mode):
+    """Under torch.compile the norms' fp32 copies and SwiGLU's activation are recomputed, and
+    per-op SAC's saved outputs that backward never reads are dropped (CPU inductor)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from ragged_fsdp.models.llama import LlamaConfig, TransformerBlock, rope_tables
+
+    cfg = LlamaConfig(dim=128, n_heads=8, n_kv_heads=4, ffn_hidden=352, max_seq_len=48)
+    B, T = 2, 48
+    cos, sin = rope_tables(cfg.head_dim, T, cfg.rope_theta)
+    torch.manual_seed(0)
+    blk = TransformerBlock(cfg).to(torch.bfloat16)
+    if mode == "op":
+        fn = torch.compile(lambda x: checkpoint(blk, x, cos, sin, use_reentrant=False, context_fn=_op_policy))
+    else:
+        fn = torch.compile(lambda x: blk(x, cos, sin))
+    x = torch.randn(B, T, cfg.dim, dtype=torch.bfloat16, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in [*blk.parameters(), cos, sin, x]}
+    kept = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            kept[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    held = sum(kept.values())
+    want = _predicted(cfg, B * T, 1, mode, compiled=True)
+    assert abs(held / want - 1) < TOL, (mode, held, want)
+    # and it is not the eager count
+    assert held < 0.9 * _predicted(cfg, B * T, 1, mode)

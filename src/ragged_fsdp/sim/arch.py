@@ -64,7 +64,7 @@ class Arch:
         return 6.0 * (self.active_params - embed) + 6.0 * self.layers * self.heads * seq * (self.qk_dim + self.v_dim)
 
     # -- activations --------------------------------------------------------------------
-    def layer_act_bytes(self, moe: bool, cb: int) -> tuple[float, float]:
+    def layer_act_bytes(self, moe: bool, cb: int, compiled: bool = False) -> tuple[float, float]:
         """(split, gathered) bytes one transformer block saves for backward per token with no
         checkpointing, in compute dtype ``cb``; under TP with sequence parallelism the first
         part divides by ``tp`` and the second does not.
@@ -80,14 +80,18 @@ class Arch:
         up, the activation and their product. MoE layers (counted, not measured): per routed
         token its input copy and output (2h) and 4*moe_inter, the router's probabilities
         (E), the shared expert 4*shared_inter. Gathered: the two norm outputs, which under SP
-        are all-gathered over the sequence before the column-parallel linears that save them."""
+        are all-gathered over the sequence before the column-parallel linears that save them.
+
+        ``compiled`` (the block under ``torch.compile``; measured on CPU inductor): the
+        partitioner keeps each norm's input in the compute dtype and its 1/rms and recomputes
+        the fp32 copies, and recomputes SwiGLU's activation from the saved gate."""
         h, H = self.hidden, self.heads
-        norms = 2 * (h * (4 + cb) + 4)  # two norms, each with its fp32 1/rms per token
+        norms = 2 * (h * (cb if compiled else 4 + cb) + 4)  # two norms, each with its fp32 1/rms per token
         attn = (2 * H * self.qk_dim + 2 * H * self.v_dim) * cb + 4 * H
         if moe:
             mlp = (self.top_k * (2 * h + 4 * self.moe_inter) + self.experts + 4 * self.shared_inter) * cb
         else:
-            mlp = 4 * self.inter * cb
+            mlp = (3 if compiled else 4) * self.inter * cb
         return float(norms + attn + mlp), float(2 * h * cb)
 
 

@@ -187,8 +187,10 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
             saved.append(0.0)
             continue
         moe = bool(arch.moe_layers) and layer_idx >= arch.layers - arch.moe_layers
-        saved.append(saved_bytes_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx, cb, mesh.tp) * tokens)
-        work = max(work, saved_bytes_per_token(arch, tensors, moe, "none", layer_idx, cb, mesh.tp) * tokens)
+        saved.append(saved_bytes_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx, cb, mesh.tp, rc.compile)
+                     * tokens)
+        work = max(work, saved_bytes_per_token(arch, tensors, moe, "none", layer_idx, cb, mesh.tp, rc.compile)
+                   * tokens)
         mm_f = f - gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
         e, t = tp_block_comm(prof, mesh.tp, 1, tokens, arch.hidden, cb, 1.0 if rc.float8 == "tensorwise" else cb,
                              sc.act_ckpt, rc.async_tp, mm_f, tp_feed(gf, prof, rc, fp32=(cb == 4)))
