@@ -24,9 +24,10 @@ ASSUMPTIONS = [
     "all-gathers), exposed with their dim-1 copies (vanilla) or each under its own matmul with the fused "
     "reduce-scatter's sum exposed (async); CP: K/V ring under each attention chunk; PP: the schedule's bubble",
     "copy-out / copy-in at memory bandwidth on the compute stream; optimizer memory-bound",
-    "activations: per-block saved tensors counted from the architecture and the AC policy (flash attention, no "
-    "S^2 term), divided by TP and CP; loss 12 bytes per logit eager (MemTracker: 11.7), 16 per local logit under TP's "
-    "loss_parallel (MemTracker: 15.9), 4 compiled",
+    "activations: the tensors a block keeps for backward under the AC policy (flash attention, no S^2 term; "
+    "checked against MemTracker), split by CP and by TP except the sequence-parallel all-gathered norm outputs and "
+    "row-parallel partial sums; compile keeps fewer (measured on CPU inductor); loss 12 bytes per logit eager "
+    "(MemTracker: 11.7), 16 per local logit under TP's loss_parallel (MemTracker: 15.9), 4 compiled",
     "memory: peak allocated x (1 + the fitted allocator reserve) + a fixed reserve (profile reserved_bytes) for "
     "the CUDA context and NCCL",
     "ragged_fsdp's granularity follows the optimizer: element for adamw and muon (Muon's owners get the "
