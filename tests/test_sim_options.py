@@ -3,6 +3,7 @@ TP, PP schedules and microbatches, CP, per-op SAC), the per-phase overlap, the b
 cause, and the fitted constants against their fit points. Pure and fast (seconds)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -238,14 +239,13 @@ def test_cli_recipe_flags_and_json(capsys):
     assert "vs ragged:" in capsys.readouterr().out
 
 
-def test_loss_bytes_per_logit_match_memtracker():
-    """The loss term that dominates long-sequence peaks (bf16 logits -> fp32 cross-entropy,
-    torchtitan's loss) against MemTracker on a small CPU case."""
+def _loss_bytes_per_logit(wrap=lambda t: t, context=contextlib.nullcontext) -> float:
+    """MemTracker's peak of torchtitan's loss (bf16 logits -> fp32 cross-entropy, forward and
+    backward) per logit, less the inputs and their gradients; ``wrap`` turns the local logits
+    into what the loss sees, ``context`` is entered around it."""
     import torch
     import torch.nn.functional as F
     from torch.distributed._tools.mem_tracker import MemTracker
-
-    from ragged_fsdp.sim.simulate import LOSS_BYTES_PER_LOGIT
 
     torch.manual_seed(0)
     n, v, h = 1024, 4096, 64
@@ -255,12 +255,20 @@ def test_loss_bytes_per_logit_match_memtracker():
     mt = MemTracker()
     mt.track_external(x, w)
     with mt:
-        logits = x @ w.t()
-        loss = F.cross_entropy(logits.float(), y)
-        del logits
-        loss.backward()
+        logits = wrap(x @ w.t())
+        with context():
+            loss = F.cross_entropy(logits.float(), y)
+            del logits
+            loss.backward()
     peak = sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
-    per_logit = (peak - 2 * 2 * (n * h + v * h)) / (n * v)  # minus inputs and their grads
+    return (peak - 2 * 2 * (n * h + v * h)) / (n * v)
+
+
+def test_loss_bytes_per_logit_match_memtracker():
+    """The loss term that dominates long-sequence peaks, on a small CPU case."""
+    from ragged_fsdp.sim.simulate import LOSS_BYTES_PER_LOGIT
+
+    per_logit = _loss_bytes_per_logit()
     assert abs(per_logit / LOSS_BYTES_PER_LOGIT - 1) < 0.10, per_logit
 
 
@@ -268,10 +276,7 @@ def test_loss_parallel_bytes_per_logit_match_memtracker():
     """Under TP the loss is DTensor's loss_parallel on vocab-sharded logits (torchtitan's
     default): its decomposed log-softmax keeps more fp32 copies alive than the fused one.
     One rank in-process (two ranks measured the same per local logit)."""
-    import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
@@ -283,23 +288,9 @@ def test_loss_parallel_bytes_per_logit_match_memtracker():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-        n, v, h = 1024, 4096, 64
-        x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
-        w = torch.randn(v, h, dtype=torch.bfloat16, requires_grad=True)
-        y = torch.randint(0, v, (n,))
-        mt = MemTracker()
-        mt.track_external(x, w)
-        with mt:
-            logits = DTensor.from_local(x @ w.t(), mesh, [Shard(1)])
-            with loss_parallel():
-                loss = F.cross_entropy(logits.float(), y)
-                del logits
-                loss.backward()
-        peak = sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values())
+        per_logit = _loss_bytes_per_logit(lambda t: DTensor.from_local(t, mesh, [Shard(1)]), loss_parallel)
     finally:
         dist.destroy_process_group()
-    per_logit = (peak - 2 * 2 * (n * h + v * h)) / (n * v)
     assert abs(per_logit / LOSS_BYTES_PER_LOGIT_PARALLEL - 1) < 0.10, per_logit
     assert per_logit > 1.2 * LOSS_BYTES_PER_LOGIT  # clearly not the plain loss's count
 
