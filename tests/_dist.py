@@ -7,9 +7,11 @@ after each case keeps ranks in step, and a collective timeout turns a hang into 
 
 Workers are forked from a ``forkserver`` that imported torch and ragged_fsdp once per pytest
 session, so a launch does not pay W fresh imports of torch (seconds of CPU per rank). The
-server is single-threaded when it forks (it only imported modules), and each worker takes
-the launching process's environment as it is at launch time (the server's is the one the
-session started with).
+server only imported modules: no torch thread pool runs in it, and the one other thread
+(numpy's OpenBLAS pool) is stopped by OpenBLAS around the fork, so each worker starts with
+one thread. Each worker takes the launching process's environment as it is at launch time
+(the server's is the one the session started with); it exits without atexit handlers, as
+any forked multiprocessing child does (the cases destroy their process group themselves).
 """
 
 from __future__ import annotations
