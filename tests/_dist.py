@@ -33,7 +33,8 @@ def case_timeout_s() -> int:
     return int(os.environ.get("RAGGED_TEST_COLLECTIVE_TIMEOUT", "120"))
 
 
-def _context():
+def worker_context():
+    """The multiprocessing context that forks test workers from the preloaded server."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
     return ctx
@@ -89,7 +90,7 @@ def check_case(results: dict[str, str | None], case, world: int | None = None) -
 
 def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     """Run ``cases`` on ``world`` ranks; map each case name to None (passed) or the errors."""
-    ctx = _context()
+    ctx = worker_context()
     queue = ctx.Queue()
     port = _free_port()
     env = dict(os.environ)
