@@ -23,10 +23,12 @@ import traceback
 
 import torch.multiprocessing as mp
 
-# what the forkserver imports before it forks workers: the imports every case needs (not
-# torchtitan or transformers: they start threads at import)
+# what the forkserver imports before it forks workers: what most cases import, and HF's
+# Llama (seconds per rank for the HF tests). Not torchtitan: its data sets' pyarrow starts a
+# jemalloc thread at import. A module that is not installed is skipped.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
-           "ragged_fsdp", "ragged_fsdp.fsdp", "ragged_fsdp.checkpoint", "ragged_fsdp.optim"]
+           "ragged_fsdp", "ragged_fsdp.fsdp", "ragged_fsdp.checkpoint", "ragged_fsdp.optim", "pytest",
+           "transformers.models.llama.modeling_llama"]
 
 
 def case_timeout_s() -> int:
