@@ -23,12 +23,13 @@ import traceback
 
 import torch.multiprocessing as mp
 
-# what the forkserver imports before it forks workers: what most cases import, and HF's
-# Llama (seconds per rank for the HF tests). Not torchtitan: its data sets' pyarrow starts a
-# jemalloc thread at import. A module that is not installed is skipped.
+# what the forkserver imports before it forks workers: what most cases import, HF's Llama
+# (seconds per rank for the HF tests) and inductor (seconds per rank for the torch.compile
+# cases and for torchtitan, which imports it). Not torchtitan itself: its data sets' pyarrow
+# starts a jemalloc thread at import. A module that is not installed is skipped.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
            "ragged_fsdp", "ragged_fsdp.fsdp", "ragged_fsdp.checkpoint", "ragged_fsdp.optim", "pytest",
-           "transformers.models.llama.modeling_llama"]
+           "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx"]
 
 
 def case_timeout_s() -> int:
