@@ -4,6 +4,14 @@ Starting a process group costs seconds, so each test module starts W workers onc
 module-scoped fixture calls ``run_cases``) and every case function runs inside them in turn.
 A case is a module-level function ``case(rank, world)``; it raises to fail. A barrier
 after each case keeps ranks in step, and a collective timeout turns a hang into an error.
+
+Workers are forked from a ``forkserver`` that imported torch and ragged_fsdp once per pytest
+session, so a launch does not pay W fresh imports of torch (seconds of CPU per rank). The
+server only imported modules: no torch thread pool runs in it, and the one other thread
+(numpy's OpenBLAS pool) is stopped by OpenBLAS around the fork, so each worker starts with
+one thread. Each worker takes the launching process's environment as it is at launch time
+(the server's is the one the session started with); it exits without atexit handlers, as
+any forked multiprocessing child does (the cases destroy their process group themselves).
 """
 
 from __future__ import annotations
@@ -15,7 +23,24 @@ import traceback
 
 import torch.multiprocessing as mp
 
-CASE_TIMEOUT_S = int(os.environ.get("RAGGED_TEST_COLLECTIVE_TIMEOUT", "120"))
+# what the forkserver imports before it forks workers: what most cases import, HF's Llama
+# (seconds per rank for the HF tests) and inductor (seconds per rank for the torch.compile
+# cases and for torchtitan, which imports it). Not torchtitan itself: its data sets' pyarrow
+# starts a jemalloc thread at import. A module that is not installed is skipped.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
+           "ragged_fsdp", "ragged_fsdp.fsdp", "ragged_fsdp.checkpoint", "ragged_fsdp.optim", "pytest",
+           "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx"]
+
+
+def case_timeout_s() -> int:
+    return int(os.environ.get("RAGGED_TEST_COLLECTIVE_TIMEOUT", "120"))
+
+
+def worker_context():
+    """The multiprocessing context that forks test workers from the preloaded server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
+    return ctx
 
 
 def _free_port() -> int:
@@ -24,7 +49,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, cases, queue):
+def _worker(rank, world, port, cases, queue, env):
+    os.environ.clear()
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 
@@ -35,7 +62,7 @@ def _worker(rank, world, port, cases, queue):
 
         install()
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=CASE_TIMEOUT_S)
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=case_timeout_s())
     )
     for fn in cases:
         name = f"{fn.__module__}.{fn.__name__}"
@@ -66,10 +93,11 @@ def check_case(results: dict[str, str | None], case, world: int | None = None) -
 
 def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     """Run ``cases`` on ``world`` ranks; map each case name to None (passed) or the errors."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, list(cases), queue)) for r in range(world)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, list(cases), queue, env)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[str, list[str]] = {f"{c.__module__}.{c.__name__}": [] for c in cases}

@@ -199,13 +199,13 @@ def _kill_worker(rank, world, port, root):
 
 
 def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
-    import torch.multiprocessing as mp
+    from _dist import worker_context
 
     root = str(tmp_path / "root")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()  # forked from a server that imported torch (a real process: SIGKILL is real)
     procs = [ctx.Process(target=_kill_worker, args=(r, 2, port, root)) for r in range(2)]
     for p in procs:
         p.start()

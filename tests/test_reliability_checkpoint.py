@@ -147,8 +147,9 @@ _WRITER = """
 import json, os, sys, time, warnings
 import torch
 import ragged_fsdp.checkpoint as ck
-root, go, n = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-while time.time() < go:
+root, sync, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+open(os.path.join(sync, f"ready.{{os.getpid()}}"), "w").close()  # torch imported
+while not os.path.exists(os.path.join(sync, "go")):
     time.sleep(0.001)
 out = []
 for i in range(n):
@@ -168,11 +169,19 @@ def test_two_writers_at_once_publish_or_are_refused(tmp_path, keep):
     import time
 
     root = str(tmp_path / "r")
+    sync = tmp_path / "sync"
+    sync.mkdir()
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    go = time.time() + 8  # both processes have imported torch by then
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER.format(keep=keep), root, str(go), "6"],
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER.format(keep=keep), root, str(sync), "6"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for _ in range(2)]
+    # both start saving together once both have imported torch (a fixed start time either
+    # waits longer than the imports take or, on a loaded machine, not long enough)
+    deadline = time.monotonic() + 300
+    while len(list(sync.glob("ready.*"))) < 2 and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+        time.sleep(0.01)
+    (sync / "go").touch()
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
