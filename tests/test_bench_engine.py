@@ -12,20 +12,7 @@ from ragged_fsdp.bench.engine import MEM_KINDS, VARIANTS, WORKLOADS
 from ragged_fsdp.cli import main
 
 
-@pytest.fixture
-def preloaded_ranks(monkeypatch):
-    """The bench's ranks forked from tests/_dist's server, which imported torch once: a
-    spawned rank spends seconds importing torch, and how a rank started changes nothing the
-    bench reports (its arguments are still pickled to each rank)."""
-    import types
-
-    import ragged_fsdp.bench.engine as engine
-    from _dist import worker_context
-
-    monkeypatch.setattr(engine, "mp", types.SimpleNamespace(get_context=lambda method: worker_context()))
-
-
-def test_bench_quick_end_to_end(tmp_path, capsys, preloaded_ranks):
+def test_bench_quick_end_to_end(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     assert main(["bench", "--quick", "--world", "2", "--out", str(out), "--png", str(png)]) == 0
     saved = json.loads(out.read_text())
@@ -54,7 +41,7 @@ def test_bench_quick_end_to_end(tmp_path, capsys, preloaded_ranks):
         assert r["comm"]["fsdp2"]["by_kind"]["all_gather"] > 0
 
 
-def test_bench_mesh_hsdp(tmp_path, capsys, preloaded_ranks):
+def test_bench_mesh_hsdp(tmp_path, capsys):
     """`bench --world 4 --mesh 2x2`: ragged_fsdp and FSDP2 both on HSDP, one launch, tiny
     models, one step: step times, peaks and bytes sent per kind are reported; ragged_fsdp's
     gradient all-reduce sends exactly its HSDP buffers' sharded segments (an exactness check
