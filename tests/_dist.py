@@ -5,13 +5,10 @@ module-scoped fixture calls ``run_cases``) and every case function runs inside t
 A case is a module-level function ``case(rank, world)``; it raises to fail. A barrier
 after each case keeps ranks in step, and a collective timeout turns a hang into an error.
 
-Workers are forked from a ``forkserver`` that imported torch and ragged_fsdp once per pytest
-session, so a launch does not pay W fresh imports of torch (seconds of CPU per rank). The
-server only imported modules: no torch thread pool runs in it, and the one other thread
-(numpy's OpenBLAS pool) is stopped by OpenBLAS around the fork, so each worker starts with
-one thread. Each worker takes the launching process's environment as it is at launch time
-(the server's is the one the session started with); it exits without atexit handlers, as
-any forked multiprocessing child does (the cases destroy their process group themselves).
+Workers are spawned (fresh interpreters). A forkserver that had imported torch once cut
+each launch's start-up by seconds, but one CI run lost a rank to SIGABRT mid-collective
+with it (never with spawn), so it is not used. Each worker takes the launching process's
+environment as it is at launch time.
 """
 
 from __future__ import annotations
@@ -23,24 +20,14 @@ import traceback
 
 import torch.multiprocessing as mp
 
-# what the forkserver imports before it forks workers: what most cases import, HF's Llama
-# (seconds per rank for the HF tests) and inductor (seconds per rank for the torch.compile
-# cases and for torchtitan, which imports it). Not torchtitan itself: its data sets' pyarrow
-# starts a jemalloc thread at import. A module that is not installed is skipped.
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
-           "ragged_fsdp", "ragged_fsdp.fsdp", "ragged_fsdp.checkpoint", "ragged_fsdp.optim", "pytest",
-           "transformers.models.llama.modeling_llama", "torch._inductor.compile_fx"]
-
 
 def case_timeout_s() -> int:
     return int(os.environ.get("RAGGED_TEST_COLLECTIVE_TIMEOUT", "120"))
 
 
 def worker_context():
-    """The multiprocessing context that forks test workers from the preloaded server."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs
-    return ctx
+    """The multiprocessing context test workers start from."""
+    return mp.get_context("spawn")
 
 
 def _free_port() -> int:

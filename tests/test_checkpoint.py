@@ -205,7 +205,7 @@ def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = worker_context()  # forked from a server that imported torch (a real process: SIGKILL is real)
+    ctx = worker_context()  # a real process: SIGKILL is real
     procs = [ctx.Process(target=_kill_worker, args=(r, 2, port, root)) for r in range(2)]
     for p in procs:
         p.start()
