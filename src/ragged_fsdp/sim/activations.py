@@ -11,9 +11,9 @@ in its all-gathered form (the column-parallel linears' input) or as a full-size 
 from __future__ import annotations
 
 from .arch import Arch
-from .compute import is_rowwise
+from .compute import op_sac_split
 
-__all__ = ["saved_bytes_per_token", "op_sac_split"]
+__all__ = ["saved_bytes_per_token"]
 
 
 def saved_bytes_per_token(arch: Arch, tensors, moe: bool, mode: str, layer_idx: int, cb: int,
@@ -43,23 +43,3 @@ def saved_bytes_per_token(arch: Arch, tensors, moe: bool, mode: str, layer_idx: 
     if compiled:
         row = 0.0
     return block_input + (col * cb + attn + scattered) / tp + row * cb
-
-
-def op_sac_split(tensors, top_k_frac: float) -> tuple[float, float]:
-    """:func:`.compute.op_sac`'s saved output elements per token, split into those of
-    column-parallel linears (sharded under TP) and of row-parallel ones (full size)."""
-    col = row = 0.0
-    k = 0
-    for n, s in tensors:
-        if len(s) < 2 or "embed" in n:
-            continue
-        k += 1
-        if k % 2 == 0:
-            continue
-        frac = top_k_frac if ".experts." in n and "shared_expert" not in n else 1.0
-        out = s[-2] * (s[0] * frac if len(s) == 3 else 1)
-        if is_rowwise(n):
-            row += out
-        else:
-            col += out
-    return col, row

@@ -42,7 +42,7 @@ from .options import Recipe
 from .profiles import GPUProfile
 
 __all__ = ["GroupFlops", "Linear", "group_flops", "op_sac", "compute_times", "is_fp8_linear", "is_rowwise",
-           "ELEMENTWISE_EAGER", "ELEMENTWISE_COMPILED", "linear_times",
+           "ELEMENTWISE_EAGER", "ELEMENTWISE_COMPILED", "linear_times", "op_sac_split",
            "tp_feed"]
 
 # Bytes per element one block's elementwise chains move in forward (bf16 activations,
@@ -104,26 +104,43 @@ class GroupFlops:
     tp: int = 1
 
 
-def op_sac(tensors, top_k_frac: float) -> tuple[float, float, float]:
-    """(saved output elements per token, recomputed weight elements, all weight elements) of
-    torchtitan's per-op policy on one block: its matmuls in forward order, every second one's
-    output recomputed (1st, 3rd, ... saved). Vectors are no matmuls."""
-    saved = recomputed = total = 0.0
+def _op_sac_walk(tensors, top_k_frac: float):
+    """torchtitan's per-op policy on one block, matmul by matmul in forward order: (name,
+    weight elements, output elements per token, saved?) with every second output recomputed
+    (1st, 3rd, ... saved). Vectors are no matmuls."""
     k = 0
     for n, s in tensors:
         if len(s) < 2 or "embed" in n:
             continue
         frac = top_k_frac if _is_routed(n) else 1.0
-        experts = s[0] if len(s) == 3 else 1
-        out_dim = s[-2]
-        el = math.prod(s) * frac
-        total += el
         k += 1
-        if k % 2 == 0:
-            recomputed += el
+        yield n, math.prod(s) * frac, s[-2] * (s[0] * frac if len(s) == 3 else 1), k % 2 == 1
+
+
+def op_sac(tensors, top_k_frac: float) -> tuple[float, float, float]:
+    """(saved output elements per token, recomputed weight elements, all weight elements) of
+    torchtitan's per-op policy on one block."""
+    saved = recomputed = total = 0.0
+    for _, el, out, kept in _op_sac_walk(tensors, top_k_frac):
+        total += el
+        if kept:
+            saved += out
         else:
-            saved += out_dim * (experts * frac if len(s) == 3 else 1)
+            recomputed += el
     return saved, recomputed, total
+
+
+def op_sac_split(tensors, top_k_frac: float) -> tuple[float, float]:
+    """:func:`op_sac`'s saved output elements per token, split into those of column-parallel
+    linears (sharded under TP) and of row-parallel ones (full size)."""
+    col = row = 0.0
+    for n, _, out, kept in _op_sac_walk(tensors, top_k_frac):
+        if kept:
+            if is_rowwise(n):
+                row += out
+            else:
+                col += out
+    return col, row
 
 
 def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int, tp: int = 1) -> GroupFlops:
