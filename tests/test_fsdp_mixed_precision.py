@@ -73,8 +73,9 @@ def case_bf16_params_fp32_reduce(rank, world):
 def case_bf16_params_bf16_reduce(rank, world):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     models, losses, grads = _train_pair(rank, world, mp)
-    # gloo reduces bf16 in bf16 for FSDP2 while ours sums the received pieces in fp32, so
-    # grads differ by bf16 rounding; AdamW's first steps move each weight by about
+    # both sum in bf16 (the reduce dtype), but FSDP2's gloo reduce-scatter and our all-to-all
+    # plus local sum round in different places: first-step grads differ by about one bf16
+    # ulp (measured: 1.5e-5 where |g| <= 3.1e-3); AdamW's first steps move each weight by about
     # lr * sign(grad), so weights with near-zero grads may drift up to steps * lr apart.
     _compare(models, losses, grads, loss_rtol=5e-3, param_atol=5 * 1e-2 + 1e-3, grad_rtol=1e-2)
 
@@ -92,7 +93,74 @@ def case_output_dtype_and_input_cast(rank, world):
     assert inner(torch.ones(2, 4)).dtype == torch.bfloat16  # fp32 input cast to bf16
 
 
-CASES = [case_bf16_params_fp32_reduce, case_bf16_params_bf16_reduce, case_output_dtype_and_input_cast]
+def _bf16_storage_grads(mesh, shard, rows, hook=False):
+    """One backward of a model stored in bf16 (QLoRA-like), computed in fp32 and reduced in
+    fp32; returns its full gradients (bf16, as the parameters are stored)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    for layer in (m[0], m[2], m):
+        shard(layer, mesh=mesh, mp_policy=mp)
+    if hook:
+        for layer in (m[0], m[2], m):
+            layer.set_all_reduce_hook(lambda t: None)  # an identity hook must not change the numbers
+    x, y = rows
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    return {n: full(p.grad).clone() for n, p in m.named_parameters()}
+
+
+def _bf16_storage_reference(world):
+    """The fp32 single-process gradient of the same bf16 weights on the whole batch."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    m = m.float()
+    x, y = _bf16_storage_batch(world)
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    return {n: p.grad for n, p in m.named_parameters()}
+
+
+def _bf16_storage_batch(world):
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(4 * world, 64, generator=g), torch.randn(4 * world, 8, generator=g)
+
+
+def _check_bf16_storage(mesh, dp_rank, dp_size, world, hsdp=False):
+    x, y = _bf16_storage_batch(world)
+    # every data-parallel rank (replicas and shards alike under HSDP) takes 4 rows
+    rows = (x[4 * dp_rank:4 * dp_rank + 4], y[4 * dp_rank:4 * dp_rank + 4])
+    ours = _bf16_storage_grads(mesh, fully_shard, rows)
+    hooked = _bf16_storage_grads(mesh, fully_shard, rows, hook=True)
+    theirs = _bf16_storage_grads(mesh, torch_fully_shard, rows)
+    ref = _bf16_storage_reference(dp_size)
+    for name, g in ours.items():
+        assert g.dtype == torch.bfloat16, name
+        assert torch.equal(g, hooked[name]), f"{name}: an identity all-reduce hook changed the gradient"
+        # fp32 sums of the same per-rank fp32 gradients: each element is the fp32 mean rounded
+        # to bf16 once; a different sum order can move the fp32 mean by an ulp, so the bf16
+        # result is the reference's bf16 rounding or its neighbour
+        want = ref[name].to(torch.bfloat16)
+        ulp = (want.float().abs() * 2.0 ** -7).clamp_min(2.0 ** -133)
+        err = (g.float() - want.float()).abs()
+        assert (err <= ulp).all(), f"{name}: {int((err > ulp).sum())} elements off the fp32 reference by more than one bf16 ulp"
+        if dp_size == 2 or hsdp:  # sums of two addends (HSDP 2x2: two of two): any order gives FSDP2's bits
+            assert torch.equal(g, theirs[name]), (
+                f"{name}: {int((g != theirs[name]).sum())} of {g.numel()} elements differ from FSDP2")
+
+
+def case_bf16_storage_fp32_reduce(rank, world):
+    _check_bf16_storage(cpu_mesh(world), rank, world, world)
+
+
+def case_bf16_storage_fp32_reduce_hsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    _check_bf16_storage(mesh, rank, world, world, hsdp=True)
+
+
+CASES = [case_bf16_params_fp32_reduce, case_bf16_params_bf16_reduce, case_output_dtype_and_input_cast,
+         case_bf16_storage_fp32_reduce]
+HSDP_CASES = [case_bf16_storage_fp32_reduce_hsdp]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"W{w}")
@@ -103,3 +171,13 @@ def results(request):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
 def test_mixed_precision_matches_fsdp2(results, case):
     check_case(results, case)
+
+
+@pytest.fixture(scope="module")
+def results_hsdp():
+    return run_cases(4, HSDP_CASES)
+
+
+@pytest.mark.parametrize("case", HSDP_CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+def test_mixed_precision_hsdp_matches_fsdp2(results_hsdp, case):
+    check_case(results_hsdp, case)

@@ -148,7 +148,10 @@ def _gloo_reduce_chunked(comm: Comm, grad: torch.Tensor, target: torch.Tensor, a
 def _sum_pieces(pieces: torch.Tensor, own: torch.Tensor, target: torch.Tensor, accumulate: bool,
                 factor: float) -> None:
     """``target (+)= (sum of the received pieces + own piece) / factor``, summed in one
-    fixed order (chunked or not, the same bits)."""
+    fixed order (chunked or not, the same bits) and in the pieces' dtype, which is the
+    reduce dtype: ``reduce_dtype=fp32`` sums in fp32 even when the sharded gradient is bf16
+    (a model stored in bf16), and ``reduce_dtype=bf16`` sums in bf16 as NCCL does. The
+    result is rounded to the target's dtype once, after the divide, as FSDP2 does."""
     if not accumulate and target.dtype == own.dtype:
         # straight into the sharded gradient segment: sum, add own piece, scale
         if pieces.shape[0] == 1:
@@ -158,14 +161,27 @@ def _sum_pieces(pieces: torch.Tensor, own: torch.Tensor, target: torch.Tensor, a
             target.add_(own)
         target.mul_(1.0 / factor)
         return
-    total = torch.sum(pieces, dim=0, dtype=target.dtype)
-    total.add_(own)
-    if accumulate:
-        target.add_(total, alpha=1.0 / factor)
-    else:
-        target.copy_(total)
-        if factor != 1.0:
-            target.mul_(1.0 / factor)
+    total = pieces[0] + own if pieces.shape[0] == 1 else torch.sum(pieces, dim=0).add_(own)
+    _land(total, target, accumulate, factor, scratch=True)
+
+
+def _land(reduced: torch.Tensor, target: torch.Tensor, accumulate: bool, factor: float,
+          scratch: bool = False) -> None:
+    """``target (+)= reduced / factor``. When the dtypes differ the divide runs in the
+    reduce dtype and the cast comes last (one rounding to the target's dtype); ``scratch``:
+    ``reduced`` may be overwritten."""
+    scale = 1.0 / factor
+    if reduced.dtype == target.dtype:
+        if accumulate:
+            target.add_(reduced, alpha=scale)
+        else:
+            target.copy_(reduced)
+            if scale != 1.0:
+                target.mul_(scale)
+        return
+    if scale != 1.0:
+        reduced = reduced.mul_(scale) if scratch else reduced * scale
+    target.add_(reduced) if accumulate else target.copy_(reduced)
 
 
 def reduce_scatter(
@@ -188,17 +204,11 @@ def reduce_scatter(
     S = target.numel()
     factor = float(divide_factor or W)
 
-    def finish(reduced: torch.Tensor, already_scaled: bool) -> None:
-        scale = 1.0 if already_scaled else 1.0 / factor
-        if accumulate:
-            target.add_(reduced, alpha=scale) if reduced.dtype == target.dtype else target.add_(reduced.to(target.dtype), alpha=scale)
-        else:
-            target.copy_(reduced)
-            if scale != 1.0:
-                target.mul_(scale)
+    def finish(reduced: torch.Tensor, already_scaled: bool, scratch: bool = True) -> None:
+        _land(reduced, target, accumulate, 1.0 if already_scaled else factor, scratch=scratch)
 
     if W == 1:
-        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False), keep=(grad, target),
+        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False, scratch=False), keep=(grad, target),
                              out=(target,))
 
     if custom is not None:
@@ -214,7 +224,7 @@ def reduce_scatter(
                 if factor != 1.0:
                     target.mul_(1.0 / factor)
             else:
-                finish(out, False)
+                finish(out, False, scratch=False)  # the comm's own memory: left as it reduced it
 
         return device.launch(lane, issue_custom, post=post_custom, keep=(grad, out, target), out=(out, target))
 

@@ -263,12 +263,16 @@ class Reductions:
                 elif partial is not target:
                     target.copy_(partial)
                 return
+            # the divide runs in the reduce dtype (partial's), the cast into the grads' dtype last
             if existing:
-                target.add_(partial.to(target.dtype), alpha=1.0 / factor)
+                if partial.dtype == target.dtype:
+                    target.add_(partial, alpha=1.0 / factor)
+                else:
+                    target.add_(partial.mul_(1.0 / factor))
                 return
+            partial.mul_(1.0 / factor)
             if partial is not target:
                 target.copy_(partial)
-            target.mul_(1.0 / factor)
 
         keep = (partial, target) + ((earlier,) if earlier is not None else ())
         second = all_reduce(dev, dp.replicate, partial, pre=before, post=after, after=first, keep=keep, out=(target,))

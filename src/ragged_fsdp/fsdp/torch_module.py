@@ -36,8 +36,9 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13):
     module holds (an identity view, local on RaggedShard) and ``weight.grad = dw`` /
     ``weight.grad += dw`` on the unsharded parameters, outside autograd's hooks (folded into
     the gradient buffer when the group reduces). On a *sharded* parameter (a block with
-    ``reshard_after_forward=True``) that view raises: the graph holds the unsharded one, so
-    the weight gradient would be lost, as it is with FSDP2.
+    ``reshard_after_forward=True``) the graph holds the unsharded one, so the weight
+    gradient would be lost, as it is with FSDP2: the view marks the parameter and the
+    end-of-step ``post_backward()`` refuses on every rank (:mod:`.torch_state`).
 - ``torch._dynamo`` pickling of compiled packages looks up ``type.__mro__[2]`` in FSDP2's
   class table; compiled-package saving of a wrapped module is not supported.
 """

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from ragged_fsdp.placement.ops import VIEWED_SHARDED_ATTR
+
 try:
     from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
     from torch.distributed.fsdp import fully_shard as _torch_fully_shard
@@ -30,7 +32,7 @@ try:
 except ImportError:  # pragma: no cover - a torch without the composable contract
     _STATE_KEY, _TORCH_FUNC = None, None
 
-__all__ = ["TorchStateView", "register_torch_state"]
+__all__ = ["TorchStateView", "register_torch_state", "refuse_lost_weight_grads"]
 
 
 class _GroupView:
@@ -40,7 +42,30 @@ class _GroupView:
         self._group = group
 
     def post_backward(self) -> None:
+        refuse_lost_weight_grads(self._group)
         self._group.reduce_accumulated()
+
+
+def refuse_lost_weight_grads(group) -> None:
+    """Split backward (zero-bubble schedules) looked for the gradient accumulators of
+    sharded parameters: their weight gradients were computed into nothing. Refused here,
+    where the schedule asks each stage to reduce after its last micro-batch, so every rank
+    of the pipeline has finished the step's sends and receives and none is left waiting
+    (raising inside the schedule left the peer stages blocked in their receives)."""
+    viewed = [i.fqn for i in group.infos if getattr(i.sharded, VIEWED_SHARDED_ATTR, False)]
+    if not viewed:
+        return
+    for i in group.infos:
+        if hasattr(i.sharded, VIEWED_SHARDED_ATTR):
+            delattr(i.sharded, VIEWED_SHARDED_ATTR)
+    raise RuntimeError(
+        f"ragged_fsdp: {group._describe()}: the pipeline schedule's input-gradient pass looked for the "
+        f"gradient accumulators of sharded parameters ({', '.join(viewed[:3])}{', ...' if len(viewed) > 3 else ''}): "
+        "torch.distributed.pipelining's zero-bubble (split-backward) schedules do this, but after "
+        "reshard_after_forward=True the autograd graph holds the unsharded parameters, so this step's "
+        "weight gradients were lost. Pass reshard_after_forward=False to fully_shard for the modules of "
+        "pipeline stages run by split-backward schedules (as torchtitan does under pipeline parallelism)"
+    )
 
 
 class _ContextView:

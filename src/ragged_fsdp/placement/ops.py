@@ -30,6 +30,8 @@ aten = torch.ops.aten
 
 # set (True) on the sharded parameters fully_shard makes, so an op can tell them apart
 SHARDED_PARAM_ATTR = "_ragged_fsdp_sharded_param"
+# set on a sharded fully_shard parameter whose identity view was taken (see _identity_view)
+VIEWED_SHARDED_ATTR = "_ragged_fsdp_viewed_while_sharded"
 
 # Ops that act element by element or only on metadata we keep, beyond those tagged pointwise.
 _LOCAL_OPS = {
@@ -120,21 +122,18 @@ def _identity_view(func, x: RaggedDTensor):
     """A view to the tensor's own shape (``t.view_as(t)``) keeps every element where it
     is, so it is the same view of the local tensor with the same layout.
 
-    One caller gets an error instead: torch.distributed.pipelining's split backward
-    (zero-bubble schedules) takes ``p.view_as(p)`` of every parameter the stage module
-    holds, to find the gradient accumulators its weight-gradient pass computes into. A
-    sharded ``fully_shard`` parameter there means the module resharded after forward,
-    and the autograd graph holds the unsharded parameters instead: the weight gradients
-    would be lost (torch's FSDP2 loses them without a word)."""
+    One caller means trouble: torch.distributed.pipelining's split backward (zero-bubble
+    schedules) takes ``p.view_as(p)`` of every parameter the stage module holds, to find
+    the gradient accumulators its weight-gradient pass computes into. A sharded
+    ``fully_shard`` parameter there means the module resharded after forward, and the
+    autograd graph holds the unsharded parameters instead: the weight gradients would be
+    lost (torch's FSDP2 loses them without a word). Raising here would stop this rank in
+    the middle of the schedule while its pipeline peers wait for its activations or
+    gradients until the process-group timeout, so the parameter is only marked: the
+    schedule runs to the end of the step on every rank, and the engine refuses when the
+    schedule asks it to reduce (:data:`VIEWED_SHARDED_ATTR`, read by ``fsdp.torch_state``)."""
     if x.requires_grad and x.grad_fn is None and getattr(x, SHARDED_PARAM_ATTR, False):
-        raise RuntimeError(
-            "ragged_fsdp: a view of a sharded fully_shard parameter was asked for to find its "
-            "gradient accumulator (torch.distributed.pipelining's zero-bubble schedules do this "
-            "in their input-gradient pass), but the autograd graph holds the unsharded parameter "
-            "after reshard_after_forward=True, so its weight gradients would be lost. Pass "
-            "reshard_after_forward=False to fully_shard for the modules of pipeline stages run "
-            "by split-backward schedules (as torchtitan does under pipeline parallelism)"
-        )
+        setattr(x, VIEWED_SHARDED_ATTR, True)
     local = x._local_tensor
     return wrap(local.view(local.shape), x._spec)
 
