@@ -394,6 +394,15 @@ class ParamGroup:
         self.training_state = TrainingState.PRE_BACKWARD
         self.post_backward()
 
+    def abort(self) -> None:
+        """An exception stopped the step (see ``FSDPState.abort_step``): stop the saved-tensor
+        watch a forward left running, free what is gathered (after any all-gather in flight)
+        and drop the gradients no reduction took."""
+        self.needs.stop()
+        self.reshard()
+        for u in self.units:
+            u.drop_grads()
+
     def finish_backward(self) -> None:
         self.training_state = TrainingState.IDLE
         self.bwd = _Backward()

@@ -95,9 +95,12 @@ class FSDPState:
         # torch.compile: the hooks run eagerly (a graph break at each), as FSDP2's do; dynamo
         # traces the module's compute between them, on the plain unsharded parameters.
         pre, post = _eager(self._pre_forward), _eager(self._post_forward)
+        failed = _eager(self._after_forward_raised)
         for m in modules:
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, prepend=False))
+            # torch runs always_call hooks also when forward raised (the one above is skipped)
+            self._handles.append(m.register_forward_hook(failed, always_call=True))
 
     # -- lazy init -------------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -138,7 +141,12 @@ class FSDPState:
 
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if in_backward() or self.training_state is TrainingState.PRE_BACKWARD:
+        recomputing = in_backward()
+        if not recomputing and self.ctx.callback_queued:
+            # the last backward raised before its final callback (autograd drops a failed
+            # backward's callbacks): start clean, before the states it left are read
+            self.abort_step()
+        if recomputing or self.training_state is TrainingState.PRE_BACKWARD:
             # activation-checkpoint recomputation inside backward: parameters only
             if self.group is not None:
                 self.group.recompute_forward()
@@ -168,6 +176,29 @@ class FSDPState:
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
             self.ctx.forward_order = []
+
+    # -- a step stopped by an exception ------------------------------------------------------
+    def _after_forward_raised(self, module: nn.Module, args: Any, output: Any = None) -> None:
+        """An always-call forward hook: a no-op when forward returned (the post-forward hook
+        already ran); when it raised and this is the forward's root, the step is undone
+        before the exception reaches the caller, so an optimizer or a state dict made next
+        sees the sharded parameters."""
+        if self.training_state is TrainingState.FORWARD and self.ctx.iter_forward_root is self:
+            self.abort_step()
+
+    def abort_step(self) -> None:
+        """Back to a clean start after an exception stopped forward or backward under this
+        root: the collectives in flight are waited for (every rank issued them, when every
+        rank raised at the same point), every group is resharded with its unreduced
+        gradients dropped and its hooks re-armed, and no reduction of the failed step is
+        handed out. The step's gradients are lost, as after ``zero_grad()``."""
+        ctx = self.ctx
+        states = ctx.all_states or [self]
+        ctx.reductions.clear()
+        for st in states:
+            if st.group is not None:
+                st.group.abort()
+        ctx.reset(states, aborted=True)
 
     def _forward_prefetch(self) -> None:
         if self.forward_prefetch:

@@ -79,16 +79,11 @@ class TorchFSDPBase(_TorchFSDPModule):
 
     def reset_iter_state(self) -> None:
         """After an exception aborted forward/backward: wait for reductions in flight, free
-        unsharded parameters and clear the per-iteration trackers of every group under
-        this root (the failed step's gradients are lost, as in torch)."""
-        st = self._fsdp_state()
-        ctx = st.ctx
-        ctx.reductions.clear()
-        states = ctx.all_states or [st]
-        for s in states:
-            if s.group is not None:
-                s.group.reshard()
-        ctx.reset(states, aborted=True)
+        unsharded parameters, drop the unreduced gradients and clear the per-iteration
+        trackers of every group under this root (the failed step's gradients are lost, as in
+        torch). ragged_fsdp also does this itself when forward raises, and at the next
+        forward after a backward that raised."""
+        self._fsdp_state().abort_step()
 
     def _get_fsdp_state(self):
         """ragged_fsdp's FSDPState (torch's ``register_fsdp_forward_method`` calls its

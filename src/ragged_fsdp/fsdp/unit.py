@@ -253,6 +253,15 @@ class Unit:
                 info.unsharded.grad = None
         return grad, touched
 
+    def drop_grads(self) -> None:
+        """Forget the gradients of a step that raised: the unsharded gradient buffer, the
+        unsharded parameters' ``.grad`` and HSDP's kept shard-dim sums."""
+        self.buf.take_grad()
+        for info in self.infos:
+            if info.unsharded is not None:
+                info.unsharded.grad = None
+        self.partial = self.partial_touched = None
+
     def existing_grads(self) -> tuple[list[bool], dict[int, torch.Tensor]]:
         had = [False] * len(self.buf.slots)
         existing = {}
