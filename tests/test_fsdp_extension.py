@@ -420,8 +420,28 @@ def case_bad_input(rank, world):
     with pytest.raises(ValueError, match=r"set_custom_all_gather: WrongSize.allocate\(.*must return"):
         model(PROMPT)
     model.set_custom_all_gather(None)  # back to the engine's own
-    model.reshard()
+    model(PROMPT).sum().backward()  # the failed forward left nothing behind (no reshard() needed)
+
+    class NotAWork(CountingAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            super().__call__(output_tensor, input_tensor, group, async_op=False)
+            return "done"  # not a Work: the engine's wait for it would fail later
+
+    model.set_custom_all_gather(NotAWork())
+    with pytest.raises(TypeError, match=r"set_custom_all_gather: the comm returned str for async_op=True"):
+        model(PROMPT)
+    model.set_custom_all_gather(None)
+    model(PROMPT).sum().backward()  # before: the module stayed broken (every forward failed)
+
+    def shrink(t):
+        t.resize_(t.numel() // 2)
+
+    model.set_all_reduce_hook(shrink)
+    with pytest.raises(RuntimeError, match=r"set_all_reduce_hook: the hook changed the reduced gradient segment"):
+        model(PROMPT).sum().backward()
+    model.set_all_reduce_hook(None)
     model(PROMPT).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 CASES = [

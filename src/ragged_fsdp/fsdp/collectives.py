@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ragged_fsdp.dbuffer import DBuffer
 
 from .device import Device, Pending
-from .extension import adopt_memory, checked_alloc
+from .extension import adopt_memory, checked_alloc, checked_work
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 
@@ -107,7 +107,8 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
                 src.copy_(shard)
             if comm.world_size == 1:
                 return None
-            return custom(output_tensor=dest, input_tensor=src, group=comm.group, async_op=async_op)
+            return checked_work("set_custom_all_gather", custom(
+                output_tensor=dest, input_tensor=src, group=comm.group, async_op=async_op), async_op)
 
     def finish():
         if staging is not None:
@@ -216,8 +217,9 @@ def reduce_scatter(
         out = target if direct else checked_alloc(custom, "set_custom_reduce_scatter", S, grad.dtype, grad.device)
 
         def issue_custom(async_op: bool):
-            return custom(output_tensor=out, input_tensor=grad, group=comm.group, op=dist.ReduceOp.SUM,
-                          async_op=async_op)
+            return checked_work("set_custom_reduce_scatter", custom(
+                output_tensor=out, input_tensor=grad, group=comm.group, op=dist.ReduceOp.SUM, async_op=async_op),
+                async_op)
 
         def post_custom():
             if direct:

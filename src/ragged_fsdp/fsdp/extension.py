@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["CommHooks", "HOOK_LANE", "register_fsdp_forward_method", "check_comm", "check_hook", "check_event",
-           "check_stream", "adopt_memory"]
+           "check_stream", "adopt_memory", "checked_work", "run_all_reduce_hook"]
 
 
 HOOK_LANE = "all_reduce_hook"  # the device lane set_all_reduce_hook(stream=...) binds to the user's stream
@@ -95,6 +95,32 @@ def check_hook(hook) -> None:
         raise TypeError(
             f"set_all_reduce_hook: hook must be callable as hook(reduce_output: torch.Tensor) -> None, "
             f"got {type(hook).__name__}")
+
+
+def checked_work(method: str, work, async_op: bool):
+    """What a custom comm returned: for ``async_op=True`` the collective's work handle (or
+    None when it finished before returning), waited for later; anything else would break
+    that wait, after the unshard or reduction already started."""
+    if async_op and work is not None and not callable(getattr(work, "wait", None)):
+        raise TypeError(
+            f"{method}: the comm returned {type(work).__name__} for async_op=True; return the collective's "
+            "torch.distributed Work (what dist.all_gather_into_tensor(..., async_op=True) returns), or None "
+            "if it has already finished")
+    return work
+
+
+def run_all_reduce_hook(hook: Callable[[torch.Tensor], None], segment: torch.Tensor) -> None:
+    """Run the ``set_all_reduce_hook`` hook on a reduced segment: it works in place, so a
+    hook that resizes or replaces the segment's memory is named here, not found later as a
+    shape error in the copy into the gradients."""
+    numel, dtype, ptr = segment.numel(), segment.dtype, segment.untyped_storage().data_ptr()
+    hook(segment)
+    if segment.numel() != numel or segment.dtype != dtype or segment.untyped_storage().data_ptr() != ptr:
+        raise RuntimeError(
+            f"set_all_reduce_hook: the hook changed the reduced gradient segment it was given ({numel} elements "
+            f"of {dtype}) to {segment.numel()} elements of {segment.dtype}{' in other memory' if segment.numel() == numel else ''}; "
+            "it must modify the tensor in place (e.g. dist.all_reduce(t) or t.div_(n)), keeping its size, dtype "
+            "and storage")
 
 
 def check_stream(stream, hsdp: bool) -> None:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from . import tracing as trace
 from .collectives import all_reduce, reduce_scatter
 from .device import Device, Pending
-from .extension import HOOK_LANE, checked_alloc
+from .extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
 from .mesh_info import DPMesh
 from .offload import grads_to_host
 from .unit import Unit
@@ -114,7 +114,7 @@ def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor
     hook = hooks.all_reduce_hook
 
     def run() -> None:
-        hook(out)
+        run_all_reduce_hook(hook, out)
         if out is not target:
             src = out if out.dtype == target.dtype else out.to(target.dtype)
             target.add_(src) if accumulate else target.copy_(src)
@@ -257,7 +257,7 @@ class Reductions:
         def after() -> None:
             if hook is not None:  # the hook sees the divided sum before it lands in the grads
                 partial.mul_(1.0 / factor)
-                hook(partial)
+                run_all_reduce_hook(hook, partial)
                 if existing:
                     target.add_(partial.to(target.dtype))
                 elif partial is not target:
