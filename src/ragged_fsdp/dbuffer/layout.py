@@ -101,9 +101,14 @@ class BufferLayout:
                 )
             placement = plan.placement(key)
             placement.check(shape, world_size)
+            # Every rank's range is checked (O(W) per tensor, with the placement's prefix sums
+            # and the shape factors hoisted out of the loop: this runs W x tensors times).
+            m, inner, unit = placement.axis_len(shape), placement.inner(shape), placement.unit
+            starts, counts = placement._starts(), placement.local_units
             for r in range(world_size):
                 want = _overlap(off, n, r * S, S)
-                a, b = placement.element_range(shape, r)
+                a0 = starts[r] * unit
+                a, b = min(a0, m) * inner, min(a0 + counts[r] * unit, m) * inner
                 if (b - a) != want[1] - want[0] or (b > a and a != want[0]):
                     raise ValueError(
                         f"plan for {key!r}: {placement} gives rank {r} elements [{a}, {b}) but "
