@@ -45,7 +45,7 @@ class RaggedUnits:
                 "reorder the tensor (permute) so the sharded dims come first"
             )
         units = _ints("local_units", local_units)
-        if not units or any(u < 0 for u in units):
+        if not units or min(units) < 0:  # min, not a generator: this runs W x tensors per rank
             raise ValueError(
                 f"RaggedShard: local_units={units} must be one non-negative count per rank"
             )
@@ -190,6 +190,13 @@ def _ints(name: str, values) -> tuple[int, ...]:
             f"RaggedShard: {name} must be a sequence of integers (one per "
             f"{'rank' if name == 'local_units' else 'dim'}), got {values!r}"
         )
+    if isinstance(values, (tuple, list)):
+        # Fast path for plain ints (what the planner and every copy of a placement pass):
+        # a placement holds one count per rank, so the per-element check below ran
+        # W x tensors times per rank during fully_shard (most of its set-up at W=4,096).
+        out = tuple(values)
+        if set(map(type, out)) <= {int}:
+            return out
     return tuple(_int(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 

@@ -28,16 +28,22 @@ class LayoutMismatchError(RuntimeError):
     """Ranks planned different layouts for the same ``fully_shard`` group."""
 
 
-def describe_layouts(layouts, dtypes) -> list[str]:
-    """One line per tensor: what must be identical on every rank (not the rank's own piece)."""
+def describe_layouts(layouts, dtypes, per_rank: bool = True) -> list[str]:
+    """One line per tensor: what must be identical on every rank (not the rank's own piece).
+
+    ``per_rank=False`` leaves out ``local_units`` (W numbers per tensor): they follow from the
+    line's other fields, since ``BufferLayout.from_plan`` checked that the placement hands
+    each rank exactly its segment of ``[offset, offset + numel)`` in a buffer of ``W x S``.
+    The fingerprint hashes that short form, so its cost per rank does not grow with W."""
     lines = []
     for b, (layout, dtype) in enumerate(zip(layouts, dtypes)):
         lines.append(f"buffer {b}: dtype={dtype} S={layout.segment} W={layout.world_size}")
         for s in layout.slots:
             pl = s.placement
+            ranks = f" local_units={tuple(pl.local_units)}" if per_rank else ""
             lines.append(
                 f"  {s.key}: shape={tuple(s.shape)} offset={s.offset} dims={tuple(pl.dims)} "
-                f"unit={pl.unit} local_units={tuple(pl.local_units)}"
+                f"unit={pl.unit}{ranks}"
             )
     return lines
 
@@ -56,8 +62,7 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
         if error is not None:
             raise error
         return
-    lines = [] if error is not None else describe_layouts(layouts, dtypes)
-    h = layout_fingerprint(lines) if error is None else 0
+    h = layout_fingerprint(describe_layouts(layouts, dtypes, per_rank=False)) if error is None else 0
     flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=mesh_device(mesh))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
     failed, hi, neg_lo = (int(x) for x in flags.tolist())
@@ -70,6 +75,7 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
         )
     if hi == h and -neg_lo == h:
         return
+    lines = describe_layouts(layouts, dtypes)  # the full form, only to name the difference
     everyone: list = [None] * comm.world_size
     dist.all_gather_object(everyone, lines, group=comm.group)
     mine = everyone[comm.rank]
