@@ -18,6 +18,11 @@
 * integrity: ``save``/``async_save``/``torch_save_to_dcp`` record a CRC-32 per write item
   as it is written (``ChecksummedWriter``); ``load``/``load_latest``/``read_full`` verify
   every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``.
+* ``save_local`` / ``load_local``: a save with no collective (each rank writes its shard and
+  its part of the metadata, a few numbers per tensor whatever W is) that loads at any world
+  size, bitwise; ``ScaleSavePlanner``: DCP's save planner with a coordinator check that stays
+  O(n log n) in a tensor's chunks (DCP's own compares every pair for row chunks of wide
+  tensors). See ``docs/scale.md``.
 * ``async_save``: ``dcp.async_save`` with a stager that keeps RaggedShard layouts (torch's
   default stager copies through ``new_empty`` and loses them).
 """
@@ -40,6 +45,8 @@ from .state_dict import (
 )
 from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
+from .local_save import LocalCheckpointError, load_local, local_parts, save_local
+from .scale_planner import ScaleSavePlanner
 
 __all__ = [
     "Checkpoint", "CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError", "CheckpointWarning", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
@@ -48,4 +55,5 @@ __all__ = [
     "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",
     "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",
     "set_optimizer_state_dict", "set_state_dict", "torch_save_to_dcp",
+    "LocalCheckpointError", "load_local", "local_parts", "save_local", "ScaleSavePlanner",
 ]

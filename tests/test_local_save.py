@@ -1,0 +1,167 @@
+"""The local save (``checkpoint.save_local`` / ``load_local``): no collective to save, any
+world size to load, bitwise.
+
+Launches, in order: W=4 saves the tiny LLaMA (row granularity) plus optimizer-like extras
+(a plain tensor, a plain value) and a copy of the full tensors as the reference; W=3 (another
+granularity) and W=1 load it and compare every tensor bitwise; W=2 checks that a partial save
+(one part missing) is refused by name and that a second save into the same directory is
+refused. The layout math (runs, pieces) is checked here in-process.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_cases
+from ragged_fsdp.checkpoint.local_layout import RunLayout, decode_runs, encode_runs
+from ragged_fsdp.ragged_units import RaggedUnits
+
+ENV = "RAGGED_LOCAL_SAVE_DIR"
+
+
+def _model(granularity):
+    from ragged_fsdp import fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(7 if granularity == "row" else 99)  # the loaders start from other values
+    m = Llama(LlamaConfig.tiny())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in m.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=lambda n, p: granularity)
+    fully_shard(m, mesh=mesh, granularity_fn=lambda n, p: granularity)
+    return m
+
+
+def _state(m):
+    sd = m.state_dict()
+    sd["extra.step_tensor"] = torch.tensor([3.5, -1.0])  # a plain (replicated) tensor
+    sd["extra.step"] = 12  # a plain value
+    return sd
+
+
+def _full(sd):
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in sd.items()}
+
+
+def case_save_w4(rank, world):
+    from ragged_fsdp.checkpoint import save_local
+
+    root = os.environ[ENV]
+    sd = _state(_model("row"))
+    full = _full(sd)
+    if rank == 0:
+        torch.save(full, os.path.join(root, "reference.pt"))
+    save_local(sd, os.path.join(root, "ckpt"))  # no collective inside: each rank on its own
+    # a half-written save: only rank 0 writes into "partial"
+    if rank == 0:
+        save_local(sd, os.path.join(root, "partial"))
+
+
+def _load_and_compare(granularity):
+    from ragged_fsdp.checkpoint import load_local
+
+    root = os.environ[ENV]
+    m = _model(granularity)
+    sd = _state(m)
+    sd["extra.step_tensor"] = torch.zeros(2)
+    sd["extra.step"] = 0
+    load_local(sd, os.path.join(root, "ckpt"))
+    ref = torch.load(os.path.join(root, "reference.pt"), weights_only=True)
+    got = _full(sd)
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and torch.equal(got[k], v), f"{k} differs after load"
+        else:
+            assert got[k] == v, k
+    # the model's own parameters were filled (state_dict values alias them)
+    for k, p in m.named_parameters():
+        assert torch.equal(p.full_tensor(), ref[k]), k
+
+
+def case_load_w3(rank, world):
+    _load_and_compare("rows:4")
+
+
+def case_load_w1(rank, world):
+    _load_and_compare(None)
+
+
+def case_refusals_w2(rank, world):
+    from ragged_fsdp.checkpoint import LocalCheckpointError, load_local, save_local
+
+    root = os.environ[ENV]
+    sd = _state(_model("row"))
+    with pytest.raises(LocalCheckpointError, match=r"incomplete: 3 of 4 parts missing \(ranks \[1, 2, 3\]"):
+        load_local(sd, os.path.join(root, "partial"))
+    with pytest.raises(LocalCheckpointError, match="exists; a directory holds one save"):
+        save_local(sd, os.path.join(root, "ckpt_w2"))
+        save_local(sd, os.path.join(root, "ckpt_w2"))
+    sd2 = _state(_model("row"))
+    sd2["extra.only_here"] = torch.zeros(1)
+    with pytest.raises(LocalCheckpointError, match="keys differ"):
+        load_local(sd2, os.path.join(root, "ckpt"))
+    sd3 = _state(_model("row"))
+    sd3["extra.step_tensor"] = torch.zeros(3)
+    with pytest.raises(LocalCheckpointError, match="'extra.step_tensor' was saved with shape"):
+        load_local(sd3, os.path.join(root, "ckpt"))
+    # no tmp file is left behind by a save
+    assert not [n for n in os.listdir(os.path.join(root, "ckpt")) if ".tmp." in n]
+
+
+PHASES = [(4, [case_save_w4]), (3, [case_load_w3]), (1, [case_load_w1]), (2, [case_refusals_w2])]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    os.environ[ENV] = str(tmp_path_factory.mktemp("local_save"))
+    out = {}
+    for world, cases in PHASES:
+        res = run_cases(world, cases, timeout=300)
+        out.update({k.rsplit(".", 1)[1]: v for k, v in res.items()})
+    return out
+
+
+@pytest.mark.parametrize("case", ["case_save_w4", "case_load_w3", "case_load_w1", "case_refusals_w2"])
+def test_local_save_phases(results, case):
+    if results[case]:
+        pytest.fail(results[case], pytrace=False)
+
+
+# -- the pure layout math -------------------------------------------------------------------
+def test_runs_round_trip_and_stay_small():
+    counts = [0] * 700 + [3] + [8] * 5000 + [2] + [0] * 3000
+    runs = encode_runs(counts)
+    assert decode_runs(runs) == counts
+    assert len(runs) == 5  # zeros, head, interior, tail, zeros: independent of W
+
+
+@pytest.mark.parametrize("shape,dims,unit", [((10, 7), (0,), 1), ((10, 7), (0,), 3), ((5, 4, 3), (0, 1), 2),
+                                             ((23,), (0,), 1), ((6, 5), (), 1)])
+def test_pieces_cover_every_element_once(shape, dims, unit):
+    import itertools
+    import math
+
+    n_units = -(-math.prod(shape[: len(dims)]) // unit)
+    for save_w, load_w in itertools.product((1, 3, 4), (1, 2, 5)):
+        save_counts = [n_units * (r + 1) // save_w - n_units * r // save_w for r in range(save_w)]
+        load_counts = [n_units * (r + 1) // load_w - n_units * r // load_w for r in range(load_w)]
+        saved, target = RaggedUnits(dims, save_counts, unit), RaggedUnits(dims, load_counts, unit)
+        layout = RunLayout(shape, dims, unit, tuple(map(tuple, encode_runs(save_counts))))
+        layout.check()
+        seen = []
+        for r in range(load_w):
+            a, b = target.element_range(shape, r)
+            for pc in layout.pieces(a, b):
+                sa, _ = saved.element_range(shape, pc.rank)
+                # the piece's source elements are the target's, at the same global index
+                assert sa + pc.src_lo == a + pc.dst_lo
+                seen += range(sa + pc.src_lo, sa + pc.src_hi)
+        assert seen == list(range(math.prod(shape))), (shape, dims, unit, save_w, load_w)
