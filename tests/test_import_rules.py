@@ -109,7 +109,7 @@ def test_no_new_import_cycles():
 
 
 PURE = ["ragged_fsdp.planner." + p.stem for p in (SRC / "ragged_fsdp" / "planner").glob("*.py") if p.stem != "__init__"]
-PURE += ["ragged_fsdp.planner", "ragged_fsdp.dbuffer.layout", "ragged_fsdp.ragged_units", "ragged_fsdp.shapes"]
+PURE += ["ragged_fsdp.planner", "ragged_fsdp.dbuffer.layout", "ragged_fsdp.ragged_units", "ragged_fsdp.run_counts", "ragged_fsdp.shapes"]
 FORBIDDEN = ("ragged_fsdp.placement", "ragged_fsdp.comm", "ragged_fsdp.fsdp")
 
 

@@ -16,6 +16,8 @@ import math
 import operator
 from collections.abc import Sequence
 
+from .run_counts import RunCounts, total as _total
+
 __all__ = ["RaggedUnits", "Box", "same_layout", "even_units"]
 
 # A box of a global tensor: (offsets, sizes), one entry per dim.
@@ -45,7 +47,7 @@ class RaggedUnits:
                 "reorder the tensor (permute) so the sharded dims come first"
             )
         units = _ints("local_units", local_units)
-        if not units or min(units) < 0:  # min, not a generator: this runs W x tensors per rank
+        if not units or (units.minimum() if isinstance(units, RunCounts) else min(units)) < 0:
             raise ValueError(
                 f"RaggedShard: local_units={units} must be one non-negative count per rank"
             )
@@ -64,7 +66,10 @@ class RaggedUnits:
         return isinstance(other, RaggedUnits) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash(("RaggedShard",) + self._key())
+        # (length, sum) instead of the counts: equal placements agree on both, and hashing W
+        # numbers per tensor would undo RunCounts (local_units may be a tuple or RunCounts)
+        lu = self.local_units
+        return hash(("RaggedShard", self.dims, len(lu), _total(lu), self.unit))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(dims={self.dims}, local_units={self.local_units}, unit={self.unit})"
@@ -101,7 +106,7 @@ class RaggedUnits:
                 f"RaggedShard: local_units has {len(self.local_units)} entries but the mesh "
                 f"dimension has {world_size} ranks; give one count per rank"
             )
-        total = sum(self.local_units)
+        total = _total(self.local_units)
         need = self.num_units(shape)
         if total != need:
             raise ValueError(
@@ -113,19 +118,22 @@ class RaggedUnits:
     def axis_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
         """[start, end) of the flattened axis held by ``rank`` (clipped to the axis length)."""
         m = self.axis_len(shape)
-        start = self._starts()[rank] * self.unit
+        start = self._start(rank) * self.unit
         end = start + self.local_units[rank] * self.unit
         return min(start, m), min(end, m)
 
-    def _starts(self) -> tuple[int, ...]:
-        """Units held by ranks ``0..r-1``, for every ``r``: computed once, because summing the
-        prefix on each call made a layout's per-rank check O(W^2) per tensor (at W=16,384 that
-        was most of ``fully_shard``'s set-up time). ``local_units`` is a tuple, never mutated."""
+    def _start(self, rank: int) -> int:
+        """Units held by ranks ``0..rank-1``. A planned placement's counts are ``RunCounts``
+        (O(log runs)); a tuple's prefix sums are computed once, because summing the prefix on
+        each call made a layout's per-rank check O(W^2) per tensor. Both are immutable."""
+        lu = self.local_units
+        if isinstance(lu, RunCounts):
+            return lu.prefix(rank)
         starts = self.__dict__.get("_starts_cache")
         if starts is None:
-            starts = tuple(itertools.accumulate(self.local_units, initial=0))
+            starts = tuple(itertools.accumulate(lu, initial=0))
             self.__dict__["_starts_cache"] = starts
-        return starts
+        return starts[rank]
 
     def element_range(self, shape: Sequence[int], rank: int) -> tuple[int, int]:
         """[start, end) in the row-major flattening of the whole tensor."""
@@ -185,6 +193,8 @@ def _int(name: str, value) -> int:
 
 
 def _ints(name: str, values) -> tuple[int, ...]:
+    if isinstance(values, RunCounts):  # validated when built; kept compact
+        return values
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
         raise TypeError(
             f"RaggedShard: {name} must be a sequence of integers (one per "

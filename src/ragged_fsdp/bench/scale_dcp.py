@@ -61,11 +61,11 @@ def save_plans(chunks_by_rank: dict[int, list[Chunk]], shapes: dict[str, tuple[i
     return plans
 
 
-def coordinator_save(plans: list[SavePlan]) -> dict:
+def coordinator_save(plans: list[SavePlan], planner_cls=DefaultSavePlanner) -> dict:
     """Run the coordinator's ``create_global_plan`` on ``plans``; CPU seconds, RSS growth while
     its result is alive, bytes of the gathered local plans and of the ``.metadata`` file."""
     gathered = sum(len(pickle.dumps(p, protocol=pickle.HIGHEST_PROTOCOL)) for p in plans)
-    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner = planner_cls(flatten_state_dict=False)
     rss0 = rss_bytes()
     t0 = time.process_time()
     global_plan, metadata = planner.create_global_plan(plans)

@@ -27,7 +27,7 @@ from ragged_fsdp.ragged_units import RaggedUnits
 
 __all__ = [
     "WrapGroup", "wrap_groups", "module_order", "ragged_plans", "ragged_chunks", "fsdp2_chunk",
-    "fsdp2_chunks", "items_per_rank", "loglog_exponent", "subset_model",
+    "fsdp2_chunks", "items_per_rank", "span_placement", "loglog_exponent", "subset_model",
 ]
 
 # A DCP chunk: (fqn, offsets, sizes)
@@ -130,7 +130,7 @@ def _span(plan: Plan, name: str) -> range:
     return range(lo // S, min(plan.world_size, -(-(lo + n) // S)))
 
 
-def _span_placement(plan: Plan, name: str) -> tuple[range, RaggedUnits]:
+def span_placement(plan: Plan, name: str) -> tuple[range, RaggedUnits]:
     """The ranks the tensor spans and its placement restricted to them (rank ``r`` of the
     span is index ``r - span.start``). Every rank outside the span holds no unit, so the
     restricted placement gives the same boxes; ``Plan.placement`` builds all W counts, which
@@ -162,7 +162,7 @@ def ragged_chunks(groups: Sequence[WrapGroup], plans: Sequence[Plan], world_size
                 if 0 in out:  # an empty tensor: rank 0 declares one empty chunk
                     out[0].append((fqn, (0,) * len(shape), shape))
                 continue
-            span, pl = _span_placement(plan, name)
+            span, pl = span_placement(plan, name)
             for r in span:
                 if r in out:
                     out[r].extend((fqn, tuple(o), tuple(z)) for o, z in pl.local_boxes(shape, r - span.start))
@@ -195,7 +195,7 @@ def items_per_rank(groups: Sequence[WrapGroup], plans: Sequence[Plan] | None, wo
             if math.prod(shape) == 0:
                 counts[0] += 1
                 continue
-            span, pl = _span_placement(plan, name)
+            span, pl = span_placement(plan, name)
             for r in span:
                 counts[r] += len(pl.local_boxes(shape, r - span.start))
     return counts

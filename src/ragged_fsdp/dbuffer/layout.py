@@ -106,9 +106,9 @@ class BufferLayout:
             # the counts outside that span says (a Python loop over all W ranks per tensor was
             # most of fully_shard's set-up at W=4,096 for DeepSeek-V3's 782-tensor layers).
             m, inner, unit = placement.axis_len(shape), placement.inner(shape), placement.unit
-            starts, counts = placement._starts(), placement.local_units
+            counts = placement.local_units
             first, last = (off // S, min(world_size, -(-(off + n) // S))) if S and n else (0, world_size)
-            outside = sum(counts) - sum(counts[first:last])
+            outside = placement._start(world_size) - (placement._start(last) - placement._start(first))
             if outside and n:
                 r = next(r for r, c in enumerate(counts) if c and not first <= r < last)
                 raise ValueError(
@@ -117,7 +117,7 @@ class BufferLayout:
                 )
             for r in (range(first, last) if n else range(world_size)):
                 want = _overlap(off, n, r * S, S)
-                a0 = starts[r] * unit
+                a0 = placement._start(r) * unit
                 a, b = min(a0, m) * inner, min(a0 + counts[r] * unit, m) * inner
                 if (b - a) != want[1] - want[0] or (b > a and a != want[0]):
                     raise ValueError(

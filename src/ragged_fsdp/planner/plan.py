@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ragged_units import RaggedUnits
+from ..run_counts import RunCounts
 from .granularity import TensorSpec
 from .problem import align_elems
 
@@ -89,18 +90,21 @@ class Plan:
         units_total = probe.num_units(spec.shape)
         inner = probe.inner(spec.shape)
         W, S = self.world_size, self.segment
-        counts = [0] * W
         lo, e = self.offsets[name], spec.numel
+        # Only the ranks whose segment the tensor overlaps hold units; the counts are kept as
+        # runs (RunCounts), so a placement costs O(ranks spanned), not O(W), to build and hold.
+        first, span = 0, []
         if units_total:
             if e == 0 or S == 0:  # empty trailing dims: the (empty) units sit where it starts
-                counts[min(lo // S, W - 1) if S else 0] = units_total
+                first, span = (min(lo // S, W - 1) if S else 0), [units_total]
             else:
                 g = unit * inner
-                for k in range(lo // S, min(W, -(-(lo + e) // S))):
+                first = lo // S
+                for k in range(first, min(W, -(-(lo + e) // S))):
                     a = max(lo, k * S) - lo
                     b = min(lo + e, (k + 1) * S) - lo
-                    counts[k] = -(-b // g) - a // g
-        return RaggedUnits(dims, counts, unit)
+                    span.append(-(-b // g) - a // g)
+        return RaggedUnits(dims, RunCounts.span(W, first, span), unit)
 
     # -- convenience -------------------------------------------------------------------
     def renamed(self, mapping: dict[str, str], specs: dict[str, TensorSpec] | None = None) -> "Plan":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..run_counts import total
 from .granularity import TensorSpec
 from .plan import Plan
 from .problem import align_elems
@@ -92,9 +93,9 @@ def _check_placement(plan: Plan, s: TensorSpec) -> list[str]:
     inner, m = p.inner(s.shape), p.axis_len(s.shape)
     first, last = lo // S, (lo + e - 1) // S
     units = p.local_units
-    if sum(units[first:last + 1]) != sum(units):
+    if sum(units[first:last + 1]) != total(units):
         return [f"{s.name}: placement gives units to ranks whose segments do not hold the tensor"]
-    done = sum(units[:first])  # zero, by the check above
+    done = 0  # units before the first rank: zero, by the check above
     for k in range(first, last + 1):
         a_ax, b_ax = done * unit, (done + units[k]) * unit
         got = (min(a_ax, m) * inner, min(b_ax, m) * inner)
