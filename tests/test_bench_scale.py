@@ -126,3 +126,30 @@ def test_planning_rows_and_report():
     assert ours["coord_basis"] == "measured"
     assert ours["load"]["world"] == 8 and ours["local_load"]["parts_read_max"] >= 1
     assert "growth with W" in table(summary)
+
+
+def test_sim_host_costs_follow_the_measured_power_law(tmp_path, monkeypatch):
+    from ragged_fsdp.bench.scale_report import sim_table
+    from ragged_fsdp.sim import host
+
+    cells = [{"model": "llama3-70b", "config": "ours-row", "world": w, "setup_cpu_s": 2.0 * (w / 1024),
+              "coord_cpu_s": 1.0 * (w / 1024) ** 1.5} for w in (1024, 4096, 16384)]
+    exps = [{"model": "llama3-70b", "config": "ours-row", "metric": "setup_cpu_s", "exponent": 1.0},
+            {"model": "llama3-70b", "config": "ours-row", "metric": "coord_cpu_s", "exponent": 1.5}]
+    path = tmp_path / "host_costs.json"
+    import json
+
+    path.write_text(json.dumps(sim_table({"cells": cells, "exponents": exps})))
+    monkeypatch.setattr(host, "_DATA", path)
+    host._table.cache_clear()
+    try:
+        at = host.host_costs("llama3-70b", "ragged", 16384)
+        assert at["startup_cpu_s"] == pytest.approx(32.0) and "measured on llama3-70b" in at["basis"]
+        far = host.host_costs("llama3-70b", "ragged", 65536)  # beyond the bench: the fit, and it says so
+        assert far["save_plan_cpu_s"] == pytest.approx(16 ** 1.5 * 4 ** 1.5) and "fit" in far["basis"]
+        other = host.host_costs("llama3-8b", "ragged", 4096, tensors=723 // 2)
+        assert other["startup_cpu_s"] == pytest.approx(8.0 / 2, rel=0.01) and "scaled from llama3-70b" in other["basis"]
+        none = host.host_costs("llama3-70b", "fsdp1", 4096)
+        assert none["startup_cpu_s"] is None and "not measured" in none["basis"]
+    finally:
+        host._table.cache_clear()

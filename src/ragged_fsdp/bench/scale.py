@@ -247,6 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-items", type=int, default=CAP_ITEMS)
     ap.add_argument("--out", default="docs/data/scale.json")
     ap.add_argument("--png", default="docs/scale.png")
+    ap.add_argument("--sim-out", default="src/ragged_fsdp/sim/data/host_costs.json",
+                    help="the simulator's host-cost table ('' to skip)")
     args = ap.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     worlds = sorted(int(w) for w in args.worlds.split(","))
@@ -255,9 +257,11 @@ def main(argv=None) -> int:
     t0 = time.process_time()
     setup = [] if args.skip_setup else run_setup(models, worlds, configs)
     planning = run_planning(models, worlds, configs, load_to, args.cap_items)
-    from .scale_report import plot, summarize, table
+    from .scale_report import plot, sim_table, summarize, table
 
     summary = summarize(setup, planning)
+    if args.sim_out:
+        Path(args.sim_out).write_text(json.dumps(sim_table(summary, run_meta()), indent=1) + "\n")
     report = {"meta": run_meta(), "worlds": worlds, "load_to": load_to, "setup": setup, "planning": planning,
               "summary": summary, "bench_cpu_s_main": time.process_time() - t0}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -179,3 +179,56 @@ def plot(summary: dict, path: str) -> str | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# metric in the summary -> (metric in sim/data/host_costs.json, factor to its unit)
+_SIM = {"setup_cpu_s": ("startup_cpu_s", 1), "coord_cpu_s": ("save_plan_cpu_s", 1),
+        "coord_default_cpu_s": ("save_plan_default_cpu_s", 1), "metadata_mb": ("metadata_bytes", 1e6),
+        "local_meta_kb": ("local_meta_bytes", 1e3)}
+
+
+def sim_table(summary: dict, meta: dict | None = None) -> dict:
+    """What ``sim/host.py`` reads: per model, config and metric the measured points and the
+    fitted exponent."""
+    from ragged_fsdp.models.catalog import get_model
+
+    exps = {(e["model"], e["config"], e["metric"]): e["exponent"] for e in summary["exponents"]}
+    models: dict = {}
+    for c in summary["cells"]:
+        shapes = get_model(c["model"])
+        entry = models.setdefault(c["model"], {
+            "family": "moe" if shapes.config.get("family") != "llama" else "dense",
+            "tensors": shapes.num_tensors, "worlds": [], "configs": {}})
+        if c["world"] not in entry["worlds"]:
+            entry["worlds"].append(c["world"])
+        cfg = entry["configs"].setdefault(c["config"], {})
+        for key, (name, k) in _SIM.items():
+            if c.get(key) is None:
+                continue
+            m = cfg.setdefault(name, {"points": [], "exponent": exps.get((c["model"], c["config"], key))})
+            m["points"].append([c["world"], c[key] * k])
+    return {"source": (meta or {}).get("command", "python -m ragged_fsdp.bench.scale"),
+            "date": (meta or {}).get("date"), "models": models}
+
+
+def main(argv=None) -> int:
+    """Re-render a bench.scale JSON: table, PNG and the simulator's host-cost table."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.bench.scale_report")
+    ap.add_argument("json", nargs="?", default="docs/data/scale.json")
+    ap.add_argument("--png", default="docs/scale.png")
+    ap.add_argument("--sim-out", default="src/ragged_fsdp/sim/data/host_costs.json")
+    args = ap.parse_args(argv)
+    report = json.loads(Path(args.json).read_text())
+    summary = summarize(report["setup"], report["planning"])
+    print(table(summary))
+    Path(args.sim_out).write_text(json.dumps(sim_table(summary, report.get("meta")), indent=1) + "\n")
+    made = plot(summary, args.png)
+    print(f"wrote {args.sim_out}" + (f" and {made}" if made else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

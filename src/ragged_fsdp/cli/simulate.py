@@ -28,6 +28,7 @@ from ..models.catalog import list_models
 from ..sim.mesh import Mesh, parse_mesh
 from ..sim.options import AC_MODES, FLOAT8_RECIPES, MAX_GPUS, PP_SCHEDULES, Recipe, check_finite
 from ..sim.profiles import PROFILES, get_profile
+from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
 from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
 
@@ -212,4 +213,7 @@ def run(args) -> int:
             print(f"    vs ragged: step {t or 'same'}; memory {m or 'same'}")
         if r.framework in why:
             print(f"    mesh auto: {why[r.framework]}")
+    print()
+    print(format_host({r.framework: {**r.host["startup"], **{k: v for k, v in r.host["checkpoint"].items()
+                                                             if k != "startup_cpu_s"}} for r in results}))
     return 0

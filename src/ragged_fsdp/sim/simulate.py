@@ -17,6 +17,7 @@ from .buffers import DIFFERENCES
 from .activations import saved_bytes_per_token
 from .compute import compute_times, group_flops, is_fp8_linear, tp_feed
 from .context import ring_exposed
+from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
@@ -93,6 +94,7 @@ class FrameworkResult:
     comm_phases: dict = field(default_factory=dict)
     peak_stage: int = 0
     vs_ragged: dict = field(default_factory=dict)  # the difference from ragged_fsdp by cause
+    host: dict = field(default_factory=dict)  # start-up / checkpoint planning CPU (sim/host.py)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -257,6 +259,7 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         if fw not in FRAMEWORKS:
             raise ValueError(f"--frameworks: unknown {fw!r}; known: {', '.join(FRAMEWORKS)}")
     results = []
+    n_tensors = sum(len(ts) for _, ts in arch.groups)
     for fw in frameworks:
         per_stage = [(s, *_stage_result(fw, sc, arch, s, groups, gran, m_count, ctx)) for s, groups in stages]
         s_mem, mem, _, L_mem = max(per_stage, key=lambda x: x[1].peak)
@@ -272,7 +275,11 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
             peak_phase=mem.peak_phase + (f" (stage {s_mem})" if mesh.pp > 1 else ""), memory_items=mem.items,
             sharded_params=mem.sharded_params, sharded_grads=mem.sharded_grads, optimizer_states=mem.optimizer_states,
             padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
-            time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem))
+            time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem,
+            # measured on 1-D FSDP meshes of W ranks: the set-up is taken at the shard group's
+            # size and the coordinator's planning at every rank's (it gathers all plans)
+            host={"startup": host_costs(sc.model, fw, mesh.dp, n_tensors),
+                  "checkpoint": host_costs(sc.model, fw, sc.gpus, n_tensors)}))
     base = next((r for r in results if r.framework == "ragged"), None)
     if base is not None:
         for r in results:
