@@ -243,7 +243,11 @@ def _split_run(dims: Sequence[int], a: int, b: int) -> list[tuple[tuple[int, ...
 
 def same_layout(a: RaggedUnits, b: RaggedUnits, shape: Sequence[int]) -> bool:
     """True when ``a`` and ``b`` give every rank the same element range of ``shape``."""
-    return a.world_size == b.world_size and a.element_ranges(shape) == b.element_ranges(shape)
+    if a.world_size != b.world_size:
+        return False
+    if a._key() == b._key():  # the common case, O(runs) for planned placements (W ranges otherwise)
+        return True
+    return a.element_ranges(shape) == b.element_ranges(shape)
 
 
 def even_units(num_units: int, world_size: int) -> tuple[int, ...]:

@@ -103,8 +103,12 @@ def summarize(setup: list[dict], planning: list[dict]) -> dict:
                     w0, y0 = pts[-1]
                     c[key] = y0 * (c["world"] / w0) ** e
     errors = [r for r in setup + planning if "error" in r]
+    growth = defaultdict(dict)  # one row per (model, config): every metric's exponent
+    for e in exps:
+        growth[(e["model"], e["config"])][e["metric"]] = e["exponent"]
     return {"cells": sorted(cells.values(), key=lambda c: (c["model"], c["config"], c["world"])),
-            "exponents": exps, "errors": errors}
+            "exponents": exps, "growth": [{"model": m, "config": c, **v} for (m, c), v in sorted(growth.items())],
+            "errors": errors}
 
 
 def _fmt(v, digits=3) -> str:
@@ -223,6 +227,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     report = json.loads(Path(args.json).read_text())
     summary = summarize(report["setup"], report["planning"])
+    report["summary"] = summary  # the summary is derived from the rows: refresh it in place
+    Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     print(table(summary))
     Path(args.sim_out).write_text(json.dumps(sim_table(summary, report.get("meta")), indent=1) + "\n")
     made = plot(summary, args.png)
