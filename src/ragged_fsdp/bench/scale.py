@@ -36,6 +36,7 @@ import concurrent.futures as cf
 import json
 import multiprocessing as mp
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -213,6 +214,8 @@ def run_planning(models, worlds, configs, load_to: int | None, cap: int = CAP_IT
                         if fw == "ragged_fsdp":
                             row["local_save"] = scale_local.plan_local(groups, plans, world, load_to, gran)
                     row["bench_cpu_s"] = time.process_time() - t0
+                    print(f"[scale] {model_id} {label} W={world} {planner}: coordinator {row.get('cpu_s', 0):.2f} s "
+                          f"({row.get('basis')})", file=sys.stderr, flush=True)
                     rows.append(row)
                     del md
                 del plans
