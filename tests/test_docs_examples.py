@@ -27,7 +27,10 @@ FRAGMENTS = [b for b in BLOCKS if b.kind == FRAGMENT]
 # beside the interpreter running the tests, so the examples get the same torch and packages.
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 LAUNCH_TIMEOUT_S = 300  # one launch; a hang (a rank waiting in a collective) fails, not blocks
-JOBS = max(2, os.cpu_count() or 1)  # launches at once: more only trade CPU between imports
+# Launches at once. Each keeps about two cores busy (its ranks importing torch) and holds
+# three processes' memory, so: half the cores, at least 2 (one launch's start overlaps the
+# previous one's idle tail), at most 6 (memory on many-core runners).
+JOBS = min(6, max(2, (os.cpu_count() or 2) // 2))
 
 
 def _launch(block, workdir: Path) -> tuple[int | None, str]:
