@@ -348,7 +348,25 @@ def case_rank_cannot_write(rank, world):
     ck.save({"w": w}, root)  # the group still works and the lock was dropped
 
 
-CASES = [case_rank_cannot_write]
+def case_ranks_pass_different_roots(rank, world):
+    # each rank names its own directory: refused on every rank before anything is written,
+    # naming both directories (it used to publish under rank 0's root and hand rank 1 a
+    # Checkpoint pointing there)
+    roots = [_shared(f"roots_differ_{r}") for r in range(world)]
+    with pytest.raises(ValueError) as e:
+        ck.save({"w": torch.ones(4)}, roots[rank], step=0)
+    msg = str(e.value)
+    assert all(r in msg for r in roots) and "same root on every rank" in msg and "nothing was written" in msg, msg
+    torch.distributed.barrier()
+    assert not any(os.path.exists(r) for r in roots), [os.listdir(r) for r in roots if os.path.exists(r)]
+    # the same directory spelled differently (relative on one rank) is one root
+    same = _shared("roots_same")
+    spelled = same if rank == 0 else os.path.relpath(same)
+    c = ck.save({"w": torch.ones(4)}, spelled, step=0)
+    assert os.path.abspath(c.path) == os.path.join(same, "step-0000000000")
+
+
+CASES = [case_rank_cannot_write, case_ranks_pass_different_roots]
 
 
 @pytest.fixture(scope="module")
