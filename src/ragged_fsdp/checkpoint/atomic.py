@@ -236,7 +236,8 @@ def _publish(root: str, tmp: str, final: str, token: str, step_: int, world: int
     try:
         marker = os.path.join(tmp, MARKER)
         with open(marker, "w") as f:
-            json.dump({"step": step_, "world_size": world, "time": time.time()}, f)
+            # metadata_seal: ChecksummedWriter sealed .metadata, so a missing seal is damage
+            json.dump({"step": step_, "world_size": world, "time": time.time(), "metadata_seal": True}, f)
             f.flush()
             os.fsync(f.fileno())
         os.unlink(os.path.join(tmp, lock.WRITER))  # a published checkpoint has no writer
