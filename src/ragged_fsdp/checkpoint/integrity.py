@@ -186,6 +186,9 @@ class ChecksummedReader(dcp.FileSystemReader):
                 "is truncated, damaged or not DCP metadata. " + metadata_seal.previous_hint(os.path.dirname(md_path))
             ) from None
         if not sealed:
+            if not os.path.exists(md_path):  # moved or deleted while being read: not damage
+                raise FileNotFoundError(f"{md_path} was removed while it was being read (the checkpoint was "
+                                        "moved or deleted meanwhile)")
             why = _seal_expected(md, os.path.dirname(md_path))
             if why:
                 raise CheckpointCorruptError(metadata_seal.missing_seal_message(md_path, why))
