@@ -104,3 +104,16 @@ def test_a_lost_seal_is_refused_and_torch_checkpoints_still_load(tmp_path):
     got = {"w": torch.zeros(7)}
     ck.load(got, plain)
     assert torch.equal(got["w"], torch.arange(7.0))
+
+
+def test_metadata_removed_mid_read_is_not_called_a_lost_seal(tmp_path, monkeypatch):
+    path = _small_checkpoint(tmp_path / "r")
+    real = metadata_seal.check_seal
+
+    def vanish_then_check(md_path, data, corrupt):
+        os.rename(path, str(tmp_path / "moved"))  # after .metadata was read, before its seal
+        return real(md_path, data, corrupt)
+
+    monkeypatch.setattr(metadata_seal, "check_seal", vanish_then_check)
+    with pytest.raises(FileNotFoundError, match="was removed while it was being read"):
+        ck.load(_fresh(), path)

@@ -196,3 +196,24 @@ def test_checkpoint_removed_mid_read_is_retried_from_a_new_listing(tmp_path, mon
     calls = _retention_during_first_read(monkeypatch, root)
     with pytest.raises(FileNotFoundError, match="removed while it was being read .* Call load_latest again"):
         ck.load_latest(root, {"w": torch.zeros(8)}, strict=False)
+
+
+def test_retry_without_state_and_its_bound(tmp_path, monkeypatch):
+    root = tmp_path / "r"
+    ck.save({"w": torch.full((8,), 1.0)}, root)
+    _retention_during_first_read(monkeypatch, root)
+    c = ck.load_latest(root)  # no state: read_full, retried the same way
+    assert c.step == 1 and torch.equal(c.state["w"], torch.full((8,), 2.0))
+    # a writer that always deletes the pick before it is read: 5 listings, then a clear error
+    real = ck.ChecksummedReader.read_data
+    picks = []
+
+    def always(reader, plan, planner):
+        picks.append(os.path.basename(os.fspath(reader.path)))
+        ck.save({"w": torch.full((8,), 3.0)}, root, keep_last=1)
+        return real(reader, plan, planner)
+
+    monkeypatch.setattr(ck.ChecksummedReader, "read_data", always)
+    with pytest.raises(FileNotFoundError, match="removed while it was being read 5 times in a row"):
+        ck.load_latest(root, {"w": torch.zeros(8)})
+    assert len(set(picks)) == len(picks) == 5

@@ -366,7 +366,40 @@ def case_ranks_pass_different_roots(rank, world):
     assert os.path.abspath(c.path) == os.path.join(same, "step-0000000000")
 
 
-CASES = [case_rank_cannot_write, case_ranks_pass_different_roots]
+def case_checkpoint_removed_mid_read_in_a_group(rank, world):
+    # rank 0 moves the checkpoint out of the listing as it starts reading (what a concurrent
+    # save's retention does): every rank gets the same clear FileNotFoundError, none hangs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ragged_fsdp as rf
+
+    mesh = init_device_mesh("cpu", (world,))
+    root = _shared("removed_mid_read")
+    t = torch.arange(64.0).view(8, 8)
+    c = ck.save({"w": rf.distribute_tensor(t, mesh, [rf.RaggedShard((0,), (3, 5), 1)])}, root)
+    own = vars(ck.ChecksummedReader).get("read_data")
+    real = ck.ChecksummedReader.read_data
+
+    def read_data(reader, plan, planner):
+        os.rename(c.path, os.path.join(root, ".deleting-by-test"))
+        return real(reader, plan, planner)
+
+    back = {"w": rf.distribute_tensor(torch.zeros(8, 8), mesh, [rf.RaggedShard((0,), (3, 5), 1)])}
+    if rank == 0:
+        ck.ChecksummedReader.read_data = read_data
+    try:
+        with pytest.raises(FileNotFoundError, match="removed while it was being read .* Call load_latest again"):
+            ck.load_latest(root, back)
+    finally:
+        if rank == 0:
+            if own is None:
+                del ck.ChecksummedReader.read_data
+            else:
+                ck.ChecksummedReader.read_data = own
+    torch.distributed.barrier()
+
+
+CASES = [case_rank_cannot_write, case_ranks_pass_different_roots, case_checkpoint_removed_mid_read_in_a_group]
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
     try:
         md = ChecksummedReader(path).read_metadata()
-    except CheckpointCorruptError:
+    except (CheckpointCorruptError, FileNotFoundError):  # already say which file and why
         raise
     except Exception as e:  # EOFError, UnpicklingError, ... from a damaged or foreign file
         raise CheckpointCorruptError(
