@@ -98,6 +98,16 @@ def test_a_lost_seal_is_refused_and_torch_checkpoints_still_load(tmp_path):
     with pytest.raises(ck.CheckpointCorruptError) as e:
         ck.load_latest(root, _fresh())
     assert f"ragged_fsdp.checkpoint.load(state, '{path}')" in str(e.value), str(e.value)
+    # without item CRC-32s too (stripped), save's completion marker still says a seal is due
+    md_path = os.path.join(path, ".metadata")
+    with open(md_path, "rb") as f:
+        md = pickle.load(f)
+    for info in md.storage_data.values():
+        delattr(info, ck.integrity.CRC_FIELD)
+    with open(md_path, "wb") as f:
+        pickle.dump(md, f)
+    with pytest.raises(ck.CheckpointCorruptError, match="completion marker records"):
+        ck.load(_fresh(), path)
     # written by torch's own writer: no seal, no item CRCs; it loads as before
     plain = tmp_path / "plain"
     dcp.save({"w": torch.arange(7.0)}, checkpoint_id=plain, no_dist=True)
