@@ -72,7 +72,8 @@ def async_save(
     key = _claim(target, where)
     fresh = False
     try:
-        fresh = _create(checkpoint_id)
+        # only a local filesystem writer's target is a directory of this machine to create
+        fresh = _create(checkpoint_id) if isinstance(storage_writer, dcp.FileSystemWriter) else False
         out = dcp.async_save(
             state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
             process_group=process_group, async_stager=async_stager, no_dist=no_dist,

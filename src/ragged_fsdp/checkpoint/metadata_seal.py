@@ -20,6 +20,8 @@ import hashlib
 import json
 import os
 
+from .listing import _NAME, list_checkpoints
+
 __all__ = ["SEAL_SUFFIX", "seal_name", "write_seal", "remove_seal", "check_seal", "missing_seal_message",
            "previous_hint"]
 
@@ -87,14 +89,12 @@ def check_seal(metadata_path: str, data: bytes, corrupt) -> bool:
 
 def missing_seal_message(metadata_path: str, why: str) -> str:
     return (f"{metadata_path} has no SHA-256 seal ({seal_name(os.path.basename(metadata_path))}) although "
-            f"{why}, and the writer that wrote it always seals it: the seal was lost or .metadata was "
-            f"replaced, so it cannot be trusted; nothing was loaded. {previous_hint(os.path.dirname(metadata_path))}")
+            f"{why}, and that writer seals what it writes: the seal was lost, .metadata was replaced, or "
+            f"it predates seals; it cannot be trusted; nothing was loaded. {previous_hint(os.path.dirname(metadata_path))}")
 
 
 def previous_hint(checkpoint_dir: str) -> str:
     """What to load instead of a damaged checkpoint: the newest older one under its root."""
-    from .listing import _NAME, list_checkpoints
-
     d = os.path.abspath(checkpoint_dir)
     m = _NAME.match(os.path.basename(d))
     if m:
