@@ -17,7 +17,8 @@
 * ``dcp_to_torch_save`` / ``torch_save_to_dcp`` (also ``python -m ragged_fsdp ckpt convert``).
 * integrity: ``save``/``async_save``/``torch_save_to_dcp`` record a CRC-32 per write item
   as it is written (``ChecksummedWriter``); ``load``/``load_latest``/``read_full`` verify
-  every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``.
+  every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``; the
+  writer also seals ``.metadata`` with a SHA-256 that every read checks before using it.
 * ``async_save``: ``dcp.async_save`` with a stager that keeps RaggedShard layouts (torch's
   default stager copies through ``new_empty`` and loses them).
 """
