@@ -58,8 +58,12 @@ def _wrap(model, mesh, param_dtype=torch.float32):
     from ragged_fsdp import fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # LoRALinear computes and returns fp32 whatever its input (models/qlora.py), so under a
+    # bf16 param_dtype the blocks' outputs are cast back for the root's bf16 norm and head
+    block_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                    output_dtype=param_dtype if param_dtype != torch.float32 else None)
     for b in model.layers:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(b, mesh=mesh, mp_policy=block_mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
@@ -183,7 +187,7 @@ def case_train_state_resume(rank, world):
     groups = _groups(rank)
     for W, param_dtype in ((2, torch.float32), (3, torch.float32), (2, torch.bfloat16), (1, torch.float32)):
         pg, mesh = groups[W]
-        root = _shared_dir(f"ts{W}")
+        root = _shared_dir(f"ts{W}") if W > 1 else tempfile.mkdtemp(prefix="qlora-ts1-")  # W = 1: a root per rank
         if mesh is None:
             continue
         model = _wrap(_qlora_model(), mesh, param_dtype)
@@ -240,11 +244,11 @@ def case_full_state_dict(rank, world):
         plain = _qlora_model(seed=4)
         plain.load_state_dict(full)
         _assert_values(_unsharded_values(plain), want, f"full offload={offload}")
-        assert isinstance(full["layers.0.attn.wq.weight"], NF4Weight)
+        assert isinstance(full["layers.0.attention.wq.weight"], NF4Weight)
         deq = dequantized_state_dict(full, torch.bfloat16)
-        w = deq["layers.0.attn.wq.weight"]
+        w = deq["layers.0.attention.wq.weight"]
         assert type(w) is torch.Tensor and w.dtype == torch.bfloat16
-        assert torch.equal(w, full["layers.0.attn.wq.weight"].dequantize(torch.bfloat16))
+        assert torch.equal(w, full["layers.0.attention.wq.weight"].dequantize(torch.bfloat16))
     # full -> sharded, with the full state dict on every rank and from rank 0 only
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     for bcast in (False, True):
@@ -254,8 +258,8 @@ def case_full_state_dict(rank, world):
         _assert_values(_full_values(fresh), want, f"set full broadcast={bcast}")
     # a plain (dequantised) tensor for an NF4 weight is refused by name
     bad = dict(full)
-    bad["layers.0.attn.wq.weight"] = full["layers.0.attn.wq.weight"].dequantize()
-    with pytest.raises(TypeError, match=r"layers\.0\.attn\.wq\.weight.*NF4Weight"):
+    bad["layers.0.attention.wq.weight"] = full["layers.0.attention.wq.weight"].dequantize()
+    with pytest.raises(TypeError, match=r"layers\.0\.attention\.wq\.weight.*NF4Weight"):
         set_model_state_dict(_wrap(_qlora_model(seed=6), mesh), bad, options=StateDictOptions(full_state_dict=True))
 
 
