@@ -93,7 +93,7 @@ def case_torchao_nf4(rank, world):
                     shard(b, mesh=mesh, mp_policy=mp)
                 shard(model, mesh=mesh, mp_policy=mp)
                 if name == "ragged":
-                    w = model.layers[0].attn.wq.weight
+                    w = model.layers[0].attention.wq.weight
                     assert type(w._local_tensor) is NF4Weight, type(w._local_tensor)
                 runs[name] = _losses(model, W, mesh.get_local_rank(), group)
             got = runs["ragged"]
@@ -105,11 +105,12 @@ def case_torchao_nf4(rank, world):
             if W == 1:
                 assert got == one, (dtype, got, one)  # the same ops on the same bits
             else:
-                # the adapters' gradient mean over W ranks is not the one-process mean in the
-                # last bits (see docs/quantized-weights.md for the measured sizes)
-                assert _rel(got, one) <= 1e-6, (dtype, W, got, one)
+                # the bf16 adapters' gradient mean over W ranks is not the one-process mean in
+                # the last bits; ragged_fsdp's reduction rounds differently from FSDP2's (measured
+                # and explained in docs/quantized-weights.md)
+                assert _rel(got, one) <= 1e-5, (dtype, W, got, one)
             if "fsdp2" in runs:
-                assert _rel(got, runs["fsdp2"]) <= 1e-6, (dtype, W, runs)
+                assert _rel(got, runs["fsdp2"]) <= 1e-5, (dtype, W, runs)
 
 
 CASES = [case_torchao_nf4]
