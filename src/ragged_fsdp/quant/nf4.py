@@ -7,7 +7,8 @@ Storage (the layout torchao's ``NF4Tensor`` uses, so its weights can be adopted 
 * ``scalers``: ``int8``, one per 64-value block: the block's absmax minus the tensor's mean
   absmax, quantised per scaler block of 256 blocks;
 * ``factors``: ``float32``, one per scaler block (``scaler = q / factor + mean``);
-* ``mean``: the tensor's mean absmax (one value; every shard keeps it, nothing gathers it).
+* ``mean``: the tensor's mean absmax (one value; every shard keeps a copy, and the all-gather
+  takes it from a rank that holds rows, see ``fsdp_pre_all_gather``).
 
 A run of whole scaler blocks (``64 * 256`` values) is an NF4 weight of its own with no
 re-quantisation, which is why :attr:`NF4Weight.ragged_granularity` asks the planner for
@@ -15,7 +16,9 @@ whole scaler blocks, in whole rows. The weight implements the FSDP2 all-gather p
 (``fsdp_pre_all_gather`` with the five-argument signature, ``fsdp_post_all_gather``); the
 full shape travels in the metadata (``outer_size``), so ranks may hold different numbers
 of rows, or none. ``F.linear`` dequantises to the input's dtype, which is all a frozen
-QLoRA base weight needs; other ops are refused by name.
+QLoRA base weight needs; beyond it the weight supports what sharding and checkpoints use
+(``split`` / ``narrow`` on whole scaler blocks of rows, ``copy_``, ``.to(device)``, ``.to(dtype)``
+to dequantise, pickling) and refuses other ops by name.
 """
 
 from __future__ import annotations
