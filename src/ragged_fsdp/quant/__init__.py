@@ -6,6 +6,8 @@ from .blockfp8 import (
 )
 from .grad_wire import GradientReduce
 from .scale_layout import ScaleLayout
+from .state_dict import dequantized_state_dict
 
 __all__ = ["BlockFP8", "GradientReduce", "TileGeometry", "ScaleLayout", "quantize_pieces", "dequantize_pieces",
-           "quantize_dequantize", "per_tensor_quantize_dequantize", "tile_amax", "FP8_DTYPES"]
+           "quantize_dequantize", "per_tensor_quantize_dequantize", "tile_amax", "FP8_DTYPES",
+           "dequantized_state_dict"]
