@@ -104,10 +104,25 @@ def test_a_lost_seal_is_refused_and_torch_checkpoints_still_load(tmp_path):
         md = pickle.load(f)
     for info in md.storage_data.values():
         delattr(info, ck.integrity.CRC_FIELD)
+    delattr(md, ck.integrity.SEALED_FIELD)
     with open(md_path, "wb") as f:
         pickle.dump(md, f)
     with pytest.raises(ck.CheckpointCorruptError, match="completion marker records"):
         ck.load(_fresh(), path)
+    # written by a ragged_fsdp from before seals (item CRC-32s, no seal, no seal field, no
+    # marker): still loads, with a warning that .metadata itself went unchecked
+    old = tmp_path / "old"
+    dcp.save({"w": torch.arange(7.0)}, storage_writer=ck.integrity.ChecksummedWriter(old), no_dist=True)
+    os.unlink(os.path.join(old, metadata_seal.seal_name(".metadata")))
+    with open(os.path.join(old, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    delattr(md, ck.integrity.SEALED_FIELD)
+    with open(os.path.join(old, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    got = {"w": torch.zeros(7)}
+    with pytest.warns(UserWarning, match="written before ragged_fsdp sealed"):
+        ck.load(got, old)
+    assert torch.equal(got["w"], torch.arange(7.0))
     # written by torch's own writer: no seal, no item CRCs; it loads as before
     plain = tmp_path / "plain"
     dcp.save({"w": torch.arange(7.0)}, checkpoint_id=plain, no_dist=True)

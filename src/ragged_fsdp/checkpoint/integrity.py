@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import json
+import warnings
 import os
 import pickle
 import zlib
@@ -40,6 +41,7 @@ from .listing import MARKER
 __all__ = ["CheckpointCorruptError", "ChecksummedWriter", "ChecksummedReader", "CRC_FIELD", "count_checksums"]
 
 CRC_FIELD = "ragged_crc32"  # attribute added to DCP's per-item storage entry
+SEALED_FIELD = "ragged_sealed"  # set on DCP's Metadata by ChecksummedWriter: a missing seal file means it was lost
 
 
 class CheckpointCorruptError(ValueError):
@@ -165,6 +167,7 @@ class ChecksummedWriter(dcp.FileSystemWriter):
     def finish(self, metadata, results) -> None:
         md_path = self._metadata_file()
         metadata_seal.remove_seal(md_path)
+        setattr(metadata, SEALED_FIELD, True)  # so a reader knows a missing seal was lost, not never written
         super().finish(metadata, results)
         metadata_seal.write_seal(md_path)  # only now is .metadata complete and in place
 
@@ -230,9 +233,14 @@ class ChecksummedReader(dcp.FileSystemReader):
 
 def _seal_expected(md, directory: str) -> str | None:
     """Why an unsealed ``.metadata`` should have had a seal, or None (torch's writer)."""
+    if getattr(md, SEALED_FIELD, False):
+        return "its metadata records that ChecksummedWriter sealed it"
     infos = getattr(md, "storage_data", None)
     if isinstance(infos, dict) and any(getattr(i, CRC_FIELD, None) is not None for i in infos.values()):
-        return "its items carry ragged_fsdp CRC-32s (written by ChecksummedWriter)"
+        # written by a ragged_fsdp from before seals (CRC-32s, no seal field): still loadable,
+        # its items are checked as before; only .metadata itself goes unchecked
+        warnings.warn(f"{directory}: written before ragged_fsdp sealed .metadata; its items are checked against "
+                      "their CRC-32s but .metadata itself cannot be; save again to seal it", stacklevel=3)
     try:
         with open(os.path.join(directory, MARKER)) as f:
             marker = json.load(f)
