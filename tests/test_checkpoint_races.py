@@ -162,7 +162,11 @@ def test_reader_during_retention_gets_whole_checkpoints_or_clear_errors(tmp_path
     print(f"reader: {out['ok']} whole loads, {len(out['library'])} library errors, {len(out['raw'])} raw")
     assert out["raw"] == [] and out["wrong"] == [], (out["raw"][:5], out["wrong"][:5])
     assert out["ok"] >= 1
-    assert out["library"] == [], out["library"][:5]  # there is always a published checkpoint
+    # there is always a published checkpoint; the one clear error allowed is the reader's
+    # "removed while it was being read N times in a row" (a loaded machine can have the
+    # writer retire the reader's pick several times over)
+    others = [e for e in out["library"] if "removed while it was being read" not in e]
+    assert others == [], others[:5]
     assert [c.step for c in ck.list_checkpoints(root)] == [60]
     assert sorted(n for n in os.listdir(root) if n.startswith(".")) == []
 
