@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# Pin torch first: 2.13.0 installs a CPU build from local disk; anything unpinned pulls CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot,docs]'
+	# quant (torchao): the torchao cases of tests/test_quant_*.py and test_quantized_weights.py run, not skip
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,plot,docs,quant]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 demo: $(STAMP)

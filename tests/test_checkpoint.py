@@ -230,3 +230,40 @@ def test_save_killed_part_way_leaves_previous_checkpoint(tmp_path):
     # the next save publishes step 1 and removes the debris
     assert ck.save({"w": t + 1, "step": 1}, root).step == 1
     assert not [n for n in os.listdir(root) if n.startswith(".")]
+
+
+def test_cli_convert_refuses_to_overwrite_without_force(tmp_path, capsys):
+    import argparse
+
+    from ragged_fsdp.cli import ckpt as cli
+
+    def run(*args):
+        parser = argparse.ArgumentParser()
+        sub = parser.add_subparsers(dest="command")
+        cli.add_parser(sub)
+        return cli.run(parser.parse_args(["ckpt", *map(str, args)]))
+
+    root = tmp_path / "root"
+    ck.save({"w": torch.arange(4.0)}, root)
+    # DCP -> file: an existing file is kept, byte for byte, and the error names --force
+    out = tmp_path / "existing.pt"
+    out.write_bytes(b"precious")
+    assert run("convert", root, out) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "--force" in err, err
+    assert out.read_bytes() == b"precious"
+    assert run("convert", root, out, "--force") == 0
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.arange(4.0))
+    # file -> DCP: an existing checkpoint is kept, and the error names --force too
+    torch.save({"w": torch.ones(4)}, tmp_path / "ones.pt")
+    back = tmp_path / "back"
+    assert run("convert", tmp_path / "ones.pt", back) == 0
+    torch.save({"w": torch.zeros(4)}, tmp_path / "zeros.pt")
+    before = {p.name: p.read_bytes() for p in back.iterdir()}
+    assert run("convert", tmp_path / "zeros.pt", back) == 2
+    err = capsys.readouterr().err
+    assert str(back) in err and "--force" in err, err
+    assert {p.name: p.read_bytes() for p in back.iterdir()} == before
+    assert run("convert", tmp_path / "zeros.pt", back, "--force") == 0
+    assert torch.equal(ck.read_full(back)["w"], torch.zeros(4))
+    assert sorted(os.listdir(tmp_path)) == ["back", "existing.pt", "ones.pt", "root", "zeros.pt"]

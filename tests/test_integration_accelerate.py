@@ -233,6 +233,77 @@ def test_fsdp1_plugin_on_cpu_is_refused_not_ddp():
     assert state.distributed_type == DistributedType.MULTI_CPU
 
 
+@pytest.fixture
+def accelerate_state(monkeypatch):
+    """A fresh accelerate state with enable() on, undone afterwards (these tests run in the
+    pytest process: distributed type NO starts no process group)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    import ragged_fsdp.integrations.accelerate as ragged_accelerate
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "ACCELERATE_USE_CPU", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(k, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    ragged_accelerate.enable()
+    yield
+    ragged_accelerate.disable()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _plugin():
+    from accelerate import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2)
+
+
+def case_torchrun_without_cpu_true_is_refused_not_duplicated(rank, world):
+    """Two ranks as torchrun starts them (WORLD_SIZE=2, the process group up) on a CPU machine,
+    without cpu=True: accelerate picks distributed type NO and drops the plugin, so each rank
+    would train its own unsharded copy with no warning. Refused in Accelerator(...), naming
+    cpu=True; with cpu=True the same ranks take the FSDP path."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DistributedType
+
+    import ragged_fsdp.integrations.accelerate as ragged_accelerate
+
+    assert not torch.cuda.is_available()  # with a GPU accelerate shards without cpu=True
+    ragged_accelerate.enable()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    try:
+        Accelerator(fsdp_plugin=_plugin())
+    except ragged_accelerate.RaggedAccelerateError as e:
+        assert f"WORLD_SIZE={world}" in str(e) and "Accelerator(cpu=True, fsdp_plugin=...)" in str(e), e
+    else:
+        raise AssertionError("Accelerator(fsdp_plugin=...) without cpu=True on CPU ranks was not refused")
+    assert not AcceleratorState._shared_state  # nothing left half-built: the fix works in place
+    assert Accelerator(fsdp_plugin=_plugin(), cpu=True).state.distributed_type == DistributedType.FSDP
+
+
+def test_single_process_with_fsdp_plugin_is_refused(accelerate_state):
+    """What `accelerate launch --num_processes 2` gives on a CPU machine: one process, no
+    WORLD_SIZE, type NO; the plugin would be ignored. Refused, naming torchrun and cpu=True."""
+    from accelerate import Accelerator
+
+    from ragged_fsdp.integrations.accelerate import RaggedAccelerateError
+
+    with pytest.raises(RaggedAccelerateError, match=r"single process.*torchrun --nproc_per_node N.*cpu=True"):
+        Accelerator(fsdp_plugin=_plugin())
+
+
+def test_no_plugin_single_process_is_left_alone(accelerate_state):
+    """Without an FSDP plugin nothing was asked to be sharded: accelerate's choice stands."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    assert Accelerator().state.distributed_type == DistributedType.NO
+
+
 def case_enable_is_scoped(rank, world):
     """enable() swaps accelerate's FSDP2 entry points only; torch's names stay torch's outside
     accelerate's calls, and disable() restores accelerate."""
@@ -319,7 +390,8 @@ class _Scorer(__import__("torch").nn.Module):
 
 
 CASES = [case_full_state_dict, case_sharded_state_dict, case_cpu_takes_fsdp_path_with_mixed_precision,
-         case_enable_is_scoped, case_torch_fsdp_module_surface]
+         case_torchrun_without_cpu_true_is_refused_not_duplicated, case_enable_is_scoped,
+         case_torch_fsdp_module_surface]
 
 
 @pytest.fixture(scope="module")

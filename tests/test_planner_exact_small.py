@@ -3,9 +3,8 @@ the optimum on this 5-tensor group; the plan must reach the optimum, which here 
 structural lower bound, and stay valid."""
 from __future__ import annotations
 
-import time
-
 from ragged_fsdp.models.catalog import model_specs
+from ragged_fsdp.planner.heuristic import EXACT_BUDGET
 from ragged_fsdp.planner import (TensorSpec, lower_bound_segment, plan_group, plan_model,
                                  solve_exact, validate_plan)
 
@@ -36,10 +35,22 @@ def test_exact_refinement_matches_solver_on_small_groups():
             assert plan.segment == solve_exact(specs, W, 8).segment, (W, n_b, plan.strategy)
 
 
-def test_whole_model_plan_time_stays_small():
-    # the exact walk is budgeted; the whole DeepSeek-V3 plan stays well under a second even
-    # on the shared machine (0.3 s target on a quiet one)
-    t0 = time.perf_counter()
-    mp = plan_model(model_specs("deepseek-v3", "row"), 16384)
-    assert time.perf_counter() - t0 < 3.0
+def test_whole_model_plan_work_stays_small():
+    # the cost of planning, measured as work done rather than seconds (wall-clock time
+    # varies with the machine's load; the planner bench prints the time): identical groups
+    # are planned once, each plan packs a handful of segment sizes, and the exact walk
+    # stays within its state budget
+    groups = model_specs("deepseek-v3", "row")
+    mp = plan_model(groups, 16384)
     assert mp.validate() == []
+    assert len(groups) == 63 and len(mp.kinds) == 4
+    for k in mp.kinds:
+        assert 1 <= k.plan.packings <= 8, (k.plan.packings, k.plan.strategy)
+        assert k.plan.exact_states <= EXACT_BUDGET, k.plan.exact_states
+
+
+def test_work_counters_count():
+    # the counters are live: the issue example needs both packings and the exact walk
+    plan = plan_group(_issue_example(), 6, align_bytes=8)
+    assert plan.strategy == "exact" and plan.packings >= 1
+    assert 0 < plan.exact_states <= EXACT_BUDGET

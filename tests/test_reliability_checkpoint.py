@@ -348,7 +348,58 @@ def case_rank_cannot_write(rank, world):
     ck.save({"w": w}, root)  # the group still works and the lock was dropped
 
 
-CASES = [case_rank_cannot_write]
+def case_ranks_pass_different_roots(rank, world):
+    # each rank names its own directory: refused on every rank before anything is written,
+    # naming both directories (it used to publish under rank 0's root and hand rank 1 a
+    # Checkpoint pointing there)
+    roots = [_shared(f"roots_differ_{r}") for r in range(world)]
+    with pytest.raises(ValueError) as e:
+        ck.save({"w": torch.ones(4)}, roots[rank], step=0)
+    msg = str(e.value)
+    assert all(r in msg for r in roots) and "same root on every rank" in msg and "nothing was written" in msg, msg
+    torch.distributed.barrier()
+    assert not any(os.path.exists(r) for r in roots), [os.listdir(r) for r in roots if os.path.exists(r)]
+    # the same directory spelled differently (relative on one rank) is one root
+    same = _shared("roots_same")
+    spelled = same if rank == 0 else os.path.relpath(same)
+    c = ck.save({"w": torch.ones(4)}, spelled, step=0)
+    assert os.path.abspath(c.path) == os.path.join(same, "step-0000000000")
+
+
+def case_checkpoint_removed_mid_read_in_a_group(rank, world):
+    # rank 0 moves the checkpoint out of the listing as it starts reading (what a concurrent
+    # save's retention does): every rank gets the same clear FileNotFoundError, none hangs
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import ragged_fsdp as rf
+
+    mesh = init_device_mesh("cpu", (world,))
+    root = _shared("removed_mid_read")
+    t = torch.arange(64.0).view(8, 8)
+    c = ck.save({"w": rf.distribute_tensor(t, mesh, [rf.RaggedShard((0,), (3, 5), 1)])}, root)
+    own = vars(ck.ChecksummedReader).get("read_data")
+    real = ck.ChecksummedReader.read_data
+
+    def read_data(reader, plan, planner):
+        os.rename(c.path, os.path.join(root, ".deleting-by-test"))
+        return real(reader, plan, planner)
+
+    back = {"w": rf.distribute_tensor(torch.zeros(8, 8), mesh, [rf.RaggedShard((0,), (3, 5), 1)])}
+    if rank == 0:
+        ck.ChecksummedReader.read_data = read_data
+    try:
+        with pytest.raises(FileNotFoundError, match="removed while it was being read .* Call load_latest again"):
+            ck.load_latest(root, back)
+    finally:
+        if rank == 0:
+            if own is None:
+                del ck.ChecksummedReader.read_data
+            else:
+                ck.ChecksummedReader.read_data = own
+    torch.distributed.barrier()
+
+
+CASES = [case_rank_cannot_write, case_ranks_pass_different_roots, case_checkpoint_removed_mid_read_in_a_group]
 
 
 @pytest.fixture(scope="module")

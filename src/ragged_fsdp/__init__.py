@@ -1,7 +1,7 @@
 """ragged_fsdp: fully sharded data parallelism that keeps the structure of tensors."""
 from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_to_device, offload_to_host,
                    register_fsdp_forward_method)
-from .quant import BlockFP8
+from .quant import BlockFP8, GradientReduce
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
 from . import exit as _exit  # registers the exit hook (see ragged_fsdp/exit.py)
 
@@ -10,5 +10,5 @@ __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "OffloadPolicy", "offload_to_host", "load_to_device",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
-    "BlockFP8", "__version__",
+    "BlockFP8", "GradientReduce", "__version__",
 ]

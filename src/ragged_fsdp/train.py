@@ -273,6 +273,30 @@ def check_args(steps: int, batch: int, world: int) -> str | None:
     return None
 
 
+# data.load_tokens refuses fewer bytes than this (the windows need room); checked here too so
+# that the refusal comes before the ranks start.
+MIN_DATA_BYTES = 1024
+
+
+def check_data(path: str | None) -> str | None:
+    """Why ``--data path`` cannot be read as the corpus, or None (the default corpus: None)."""
+    if path is None:
+        return None
+    if not os.path.exists(path):
+        return f"--data {path}: no such file; give a text file of at least 1 KiB, or leave --data out for the embedded corpus"
+    if os.path.isdir(path):
+        return f"--data {path}: is a directory; give a text file of at least 1 KiB"
+    if not os.access(path, os.R_OK):
+        return f"--data {path}: not readable (permissions)"
+    size = os.path.getsize(path)
+    if size < MIN_DATA_BYTES:
+        return f"--data {path}: only {size} bytes; give a text file of at least 1 KiB"
+    return None
+
+
+FRAMEWORKS = ("ragged_fsdp", "ragged_fsdp:bf16", "ragged_fsdp:fp8", "fsdp2")  # what shard() takes
+
+
 def parse(argv=None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -290,9 +314,13 @@ def parse(argv=None) -> TrainConfig:
     a = p.parse_args(argv)
     if not 0 <= a.heldout < 1:
         p.error(f"--heldout {a.heldout}: expected a fraction in [0, 1)")
-    err = check_args(a.steps, a.batch, int(os.environ.get("WORLD_SIZE", "1")))
+    err = check_args(a.steps, a.batch, int(os.environ.get("WORLD_SIZE", "1"))) or check_data(a.data)
     if err:
         p.error(err)
+    bad = [f for f in a.frameworks.split(",") if f not in FRAMEWORKS]
+    if bad:  # found now, not after training the frameworks listed before it
+        p.error(f"--frameworks {a.frameworks}: unknown {', '.join(map(repr, bad))}; "
+                f"expected a comma list of {', '.join(FRAMEWORKS)}")
     if a.optimizer == "shampoo" and "fsdp2" in a.frameworks.split(","):
         # FSDP2's equal row chunks cut preconditioner tiles, which Shampoo refuses (it would
         # change the math); the demo trains ragged_fsdp only.

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ..cli._args import UsageError, choices, output_path, positive_int, whole_number
 from .meta import run_meta
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
@@ -551,34 +552,60 @@ def parse_mesh(text: str | None) -> tuple[int, int] | None:
     try:
         r, s = (int(x) for x in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"bench: --mesh {text!r}: expected RxS, the replicate and shard sizes, e.g. 2x2") from None
+        raise UsageError(f"--mesh {text!r}: expected RxS, the replicate and shard sizes, e.g. 2x2") from None
     if r < 1 or s < 1:
-        raise SystemExit(f"bench: --mesh {text!r}: both sizes must be at least 1")
+        raise UsageError(f"--mesh {text!r}: both sizes must be at least 1")
     return r, s
 
 
-def main(args) -> int:
+def parse_worlds(text: str) -> tuple[int, ...]:
+    worlds = tuple(whole_number("--world", t, text) for t in str(text).split(","))
+    for w in worlds:
+        if w < 1:  # zero ranks would leave the parent waiting for a report no rank sends
+            raise UsageError(f"--world {text}: {w} ranks; every world size must be at least 1")
+    if len(set(worlds)) < len(worlds):
+        raise UsageError(f"--world {text}: a world size listed twice; name each once")
+    return worlds
+
+
+def check_args(args) -> tuple:
+    """(worlds, mesh, frameworks, models, out, png) of the command line, or a UsageError naming the flag:
+    all in the parent, before any rank is spawned (a rank's error arrives only after its torch
+    import, and a world of 0 ranks never reports at all)."""
     mesh = parse_mesh(getattr(args, "mesh", None))
     d = BenchConfig()
     if args.world is None:
         worlds = (mesh[0] * mesh[1],) if mesh else d.worlds
     else:
-        worlds = tuple(int(w) for w in str(args.world).split(","))
+        worlds = parse_worlds(args.world)
     if mesh and any(w != mesh[0] * mesh[1] for w in worlds):
-        raise SystemExit(f"bench: --world {args.world} does not match --mesh {args.mesh}: the mesh needs "
+        raise UsageError(f"--world {args.world} does not match --mesh {args.mesh}: the mesh needs "
                          f"{mesh[0] * mesh[1]} ranks (pass --world {mesh[0] * mesh[1]} or leave --world out)")
     if args.frameworks is None:
         frameworks = MESH_VARIANTS if mesh else VARIANTS
     else:
-        frameworks = tuple(args.frameworks.split(","))
+        frameworks = choices("--frameworks", args.frameworks, VARIANTS, "frameworks")
         if mesh and set(frameworks) - set(MESH_VARIANTS):
-            raise SystemExit(f"bench: --frameworks {args.frameworks} with --mesh: "
+            raise UsageError(f"--frameworks {args.frameworks} with --mesh: "
                              f"{', '.join(sorted(set(frameworks) - set(MESH_VARIANTS)))} take no 2-D mesh; "
                              f"choose from {', '.join(MESH_VARIANTS)}")
+    # dense-wide: the dim-512 workload of earlier reports, built on request only
+    models = choices("--models", args.models, WORKLOADS + ("dense-wide",), "workloads")
+    positive_int("--rounds", args.rounds)
+    positive_int("--steps", args.steps)
     tag = f"_mesh{mesh[0]}x{mesh[1]}" if mesh else ""
     out = args.out or (f"out/bench_engine{tag}.json" if mesh else d.out)
     png = args.png if args.png is not None else (str(Path(out).with_suffix(".png")) if mesh else d.png)
-    base = dict(rounds=args.rounds, steps=args.steps, models=tuple(args.models.split(",")),
+    # written after every launch has run: a path that cannot be written would lose them all
+    output_path("--out", out)
+    if png:
+        output_path("--png", png)
+    return worlds, mesh, frameworks, models, out, png
+
+
+def main(args) -> int:
+    worlds, mesh, frameworks, models, out, png = check_args(args)
+    base = dict(rounds=args.rounds, steps=args.steps, models=models,
                 frameworks=frameworks, profile=args.profile, out=out,
                 png=png, quick=args.quick, worlds=worlds, mesh=mesh)
     if args.quick:
@@ -609,4 +636,8 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="command")
     add_parser(sub)
-    raise SystemExit(main(ap.parse_args(["bench"] + __import__("sys").argv[1:])))
+    try:
+        raise SystemExit(main(ap.parse_args(["bench"] + __import__("sys").argv[1:])))
+    except UsageError as e:  # its exit code is 2, so Python would print nothing
+        print(f"bench: error: {e}", file=__import__("sys").stderr)
+        raise

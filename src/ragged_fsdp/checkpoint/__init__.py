@@ -17,7 +17,8 @@
 * ``dcp_to_torch_save`` / ``torch_save_to_dcp`` (also ``python -m ragged_fsdp ckpt convert``).
 * integrity: ``save``/``async_save``/``torch_save_to_dcp`` record a CRC-32 per write item
   as it is written (``ChecksummedWriter``); ``load``/``load_latest``/``read_full`` verify
-  every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``.
+  every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``; the
+  writer also seals ``.metadata`` with a SHA-256 that every read checks before using it.
 * ``save_local`` / ``load_local``: a save with no collective (each rank writes its shard and
   its part of the metadata, a few numbers per tensor whatever W is) that loads at any world
   size, bitwise; ``ScaleSavePlanner``: DCP's save planner with a coordinator check that stays

@@ -12,12 +12,23 @@ naming the rank(s) and the error underneath) instead of DCP's ``CheckpointExcept
 ``BaseException`` holding every rank's traceback), and removes ``checkpoint_id`` if this
 call created it. ``async_save`` writes in place, not atomically: for checkpoints that are
 either whole or invisible use :func:`ragged_fsdp.checkpoint.save`.
+
+One save per target at a time, per process: while a future of this process still writes a
+directory, another ``async_save`` there raises :class:`CheckpointLockedError` before it
+writes anything. Writing in place, two overlapping saves can only mix their files, and the
+failing one's clean-up would delete the other's; ordering them instead would hide a wait the
+caller did not ask for behind a call meant not to block. The check is local, with no
+collective: the previous save's upload may still run collectives on the same process group
+in its thread, and a second collective from here could interleave with them. Two processes
+on one target are not detected (each rank writes its own files; use ``save``, whose lock
+covers the root, or one ``checkpoint_id`` per save).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from concurrent.futures import Future
 
 import torch.distributed as dist
@@ -25,10 +36,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 
-from .errors import CheckpointSaveError, describe_failures
+from .errors import CheckpointLockedError, CheckpointSaveError, describe_failures
 from .integrity import ChecksummedWriter
 
 __all__ = ["async_save"]
+
+_busy: set[str] = set()  # targets this process is writing (real paths)
+_busy_lock = threading.Lock()
 
 
 def async_save(
@@ -53,32 +67,82 @@ def async_save(
     kwargs = {}
     if async_checkpointer_type is not None:
         kwargs["async_checkpointer_type"] = async_checkpointer_type
-    fresh = checkpoint_id is not None and not os.path.exists(checkpoint_id)
-    out = dcp.async_save(
-        state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-        process_group=process_group, async_stager=async_stager, no_dist=no_dist,
-        use_collectives=use_collectives, **kwargs,
-    )
+    target = checkpoint_id if checkpoint_id is not None else getattr(storage_writer, "path", None)
+    where = os.fspath(target) if target is not None else "the storage writer's path"
+    key = _claim(target, where)
+    fresh = False
+    try:
+        # only a local filesystem writer's target is a directory of this machine to create
+        fresh = _create(checkpoint_id) if isinstance(storage_writer, dcp.FileSystemWriter) else False
+        out = dcp.async_save(
+            state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+            process_group=process_group, async_stager=async_stager, no_dist=no_dist,
+            use_collectives=use_collectives, **kwargs,
+        )
+    except BaseException:
+        if fresh:
+            shutil.rmtree(where, ignore_errors=True)
+        _unclaim(key)
+        raise
     rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() and not no_dist else 0
-    where = os.fspath(checkpoint_id) if checkpoint_id is not None else "the storage writer's path"
     if isinstance(out, Future):
-        return _translated(out, rank, where, fresh)
+        return _translated(out, rank, where, fresh, key)
     if hasattr(out, "upload_completion"):  # AsyncSaveResponse (zero-overhead staging)
-        out.upload_completion = _translated(out.upload_completion, rank, where, fresh)
+        out.upload_completion = _translated(out.upload_completion, rank, where, fresh, key)
+    else:  # pragma: no cover - a return type this module does not know: no future to wait on
+        _unclaim(key)
     return out
 
 
-def _translated(fut: Future, rank: int, where: str, fresh: bool) -> Future:
-    """A future with ``fut``'s result, or a :class:`CheckpointSaveError` for its failure."""
+def _claim(target, where: str) -> str | None:
+    """Mark ``target`` as being written by this process, or refuse: see the module notes."""
+    if target is None:
+        return None
+    key = os.path.realpath(os.fspath(target))
+    with _busy_lock:
+        if key in _busy:
+            raise CheckpointLockedError(
+                f"async_save: {where} is still being written by an earlier async_save of this process; wait "
+                "for the first future (future.result()) before saving there again, or give this save another "
+                "checkpoint_id. Nothing was written or deleted")
+        _busy.add(key)
+    return key
+
+
+def _unclaim(key: str | None) -> None:
+    if key is not None:
+        with _busy_lock:
+            _busy.discard(key)
+
+
+def _create(checkpoint_id) -> bool:
+    """Create ``checkpoint_id`` if it does not exist; True only when this call made it (an
+    exclusive mkdir, so a directory that appeared meanwhile is never counted as ours)."""
+    if checkpoint_id is None:
+        return False
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(os.fspath(checkpoint_id))), exist_ok=True)
+        os.mkdir(checkpoint_id)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _translated(fut: Future, rank: int, where: str, fresh: bool, key: str | None) -> Future:
+    """A future with ``fut``'s result, or a :class:`CheckpointSaveError` for its failure.
+    The target is released before the caller can see the outcome, so a save started right
+    after ``result()`` returns is accepted."""
     res: Future = Future()
 
     def done(f: Future) -> None:
         exc = f.exception()
         if exc is None:
+            _unclaim(key)
             res.set_result(f.result())
             return
-        if fresh and where and os.path.isdir(where):  # what this call created, on every rank
+        if fresh and os.path.isdir(where):  # this call created it, and refused other saves of this process there
             shutil.rmtree(where, ignore_errors=True)
+        _unclaim(key)
         if isinstance(exc, CheckpointException):
             text, ranks = describe_failures(exc.failures)
             err = CheckpointSaveError(f"ragged_fsdp: async_save to {where} failed on {text}"

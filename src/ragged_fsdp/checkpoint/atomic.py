@@ -107,8 +107,9 @@ def save(
     :class:`CheckpointSaveError` (an ``OSError``) on every rank that sees them, naming the
     rank(s) and the underlying error; nothing is published, this save's partial directory
     is removed and the previous checkpoints are untouched."""
-    _agree(_check_save_args(state, root, step, keep_last), (step, keep_last), process_group)
-    root = os.path.abspath(os.fspath(root))
+    err = _check_save_args(state, root, step, keep_last)
+    root = os.path.abspath(os.fspath(root)) if err is None else None
+    _agree(err, (step, keep_last), root, process_group)
     pg = process_group
     rank = _rank(pg)
     world = dist.get_world_size(pg) if _use_dist(pg) else 1
@@ -235,7 +236,8 @@ def _publish(root: str, tmp: str, final: str, token: str, step_: int, world: int
     try:
         marker = os.path.join(tmp, MARKER)
         with open(marker, "w") as f:
-            json.dump({"step": step_, "world_size": world, "time": time.time()}, f)
+            # metadata_seal: ChecksummedWriter sealed .metadata, so a missing seal is damage
+            json.dump({"step": step_, "world_size": world, "time": time.time(), "metadata_seal": True}, f)
             f.flush()
             os.fsync(f.fileno())
         os.unlink(os.path.join(tmp, lock.WRITER))  # a published checkpoint has no writer
@@ -287,25 +289,38 @@ def _check_save_args(state, root, step, keep_last) -> str | None:
     return None
 
 
-def _agree(err: str | None, args, pg) -> None:
+def _agree(err: str | None, args, root: str | None, pg) -> None:
     """Raise the same error on every rank if any rank's arguments are bad or the ranks
     disagree, before anything is written (a rank that raised alone would leave the others
-    waiting in the save's collectives until the process-group timeout)."""
+    waiting in the save's collectives until the process-group timeout). The root is
+    compared as an absolute path: rank 0 alone writes the directory and publishes it, so a
+    rank naming another root would be handed a checkpoint that is not where it asked."""
     if not _use_dist(pg):
         if err:
             raise ValueError(err)
         return
     everyone = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, (err, args), group=pg)
-    bad = [(r, e) for r, (e, _) in enumerate(everyone) if e]
+    dist.all_gather_object(everyone, (err, args, root), group=pg)
+    bad = [(r, e) for r, (e, _, _) in enumerate(everyone) if e]
     if bad:
         ranks = [r for r, _ in bad]
         raise ValueError(f"{bad[0][1]} (on rank(s) {ranks}; nothing was written)")
-    if any(a != everyone[0][1] for _, a in everyone):
+    if any(a != everyone[0][1] for _, a, _ in everyone):
         raise ValueError(
             "save: ranks passed different (step, keep_last): "
-            + ", ".join(f"rank {r}: {a}" for r, (_, a) in enumerate(everyone))
+            + ", ".join(f"rank {r}: {a}" for r, (_, a, _) in enumerate(everyone))
             + "; pass the same values on every rank (nothing was written)"
+        )
+    if any(p != everyone[0][2] for _, _, p in everyone):
+        by_root: dict[str, list[int]] = {}
+        for r, (_, _, p) in enumerate(everyone):
+            by_root.setdefault(p, []).append(r)
+        raise ValueError(
+            "save: ranks passed different roots: "
+            + ", ".join(f"rank(s) {rs}: {p}" for p, rs in by_root.items())
+            + "; pass the same root on every rank (one directory that every rank names alike, "
+            "on storage all of them reach), e.g. build it from a value rank 0 broadcasts "
+            "(nothing was written)"
         )
 
 

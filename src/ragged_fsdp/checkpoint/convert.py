@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import uuid
 import warnings
 from typing import Any
 
@@ -92,12 +94,14 @@ def _restore_optimizer_ids(obj: Any) -> None:
             _restore_optimizer_ids(v)
 
 
-def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None) -> dict:
+def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None,
+                      force: bool = False) -> dict:
     """Write the checkpoint ``src`` (a DCP directory or a root of published checkpoints) as
     one ``torch.save`` file; ``key`` keeps only one part (e.g. ``"model"``, giving a plain
-    ``model.load_state_dict`` input). Returns the state dict written."""
+    ``model.load_state_dict`` input). An existing ``out`` is replaced only with ``force``.
+    Returns the state dict written."""
     out = os.fspath(out)
-    _check_output_file(out)
+    _check_output_file(out, force)
     state = read_full(src, key)
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(state, tmp)
@@ -107,12 +111,14 @@ def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: st
 
 def torch_save_to_dcp(
     src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None, root: bool = False,
-    step: int | None = None,
+    step: int | None = None, force: bool = False,
 ) -> str:
     """Write the ``torch.save`` file ``src`` as a DCP checkpoint loadable with ``dcp.load``
     at any world size and layout. ``key`` nests it under that name (``{"model": ...}``).
     With ``root=True``, ``out`` is a root and the checkpoint is published atomically as a
-    new step there (what ``load_latest`` reads). Returns the DCP directory."""
+    new step there (what ``load_latest`` reads). A DCP checkpoint already in ``out`` is
+    replaced only with ``force`` (the new one is written beside it and swapped in, so a
+    failed conversion leaves the old one). Returns the DCP directory."""
     state = _torch_load(os.fspath(src))
     if not isinstance(state, dict):
         raise ValueError(f"{src} holds a {type(state).__name__}, not a state dict")
@@ -120,21 +126,41 @@ def torch_save_to_dcp(
         state = {key: state}
     out = os.fspath(out)
     if root:
+        if force:
+            raise ValueError("force (--force) does not apply with root (--root): a published step is "
+                             "never replaced; pick a new step (--step) or leave it to the default")
         return save(state, out, step=step).path
-    if os.path.exists(os.path.join(out, ".metadata")):
-        raise FileExistsError(f"{out} already holds a DCP checkpoint; remove it or pick another directory")
     if os.path.exists(out) and not os.path.isdir(out):
         raise FileExistsError(f"{out} is a file; give a directory for the DCP checkpoint")
-    with quiet_single_process(True):
-        dcp.save(state, storage_writer=ChecksummedWriter(out), no_dist=True)
+    existing = os.path.exists(os.path.join(out, ".metadata"))
+    if existing and not force:
+        raise FileExistsError(f"{out} already holds a DCP checkpoint; pass --force (force=True) to replace "
+                              "it, or pick another directory")
+    target = f"{out.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}" if existing else out
+    try:
+        with quiet_single_process(True):
+            dcp.save(state, storage_writer=ChecksummedWriter(target), no_dist=True)
+    except BaseException:
+        if existing:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    if existing:
+        # two renames: in between, `out` is briefly absent but never half old, half new
+        old = f"{out.rstrip(os.sep)}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        os.rename(target, out)
+        shutil.rmtree(old, ignore_errors=True)
     return out
 
 
-def _check_output_file(out: str) -> None:
-    """Fail before reading a whole checkpoint when the output cannot be written."""
+def _check_output_file(out: str, force: bool) -> None:
+    """Fail before reading a whole checkpoint when the output cannot (or must not) be written."""
     parent = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):
         raise IsADirectoryError(f"{out} is a directory; give a file name for the torch.save output")
+    if os.path.lexists(out) and not force:
+        raise FileExistsError(f"{out} already exists; pass --force (force=True) to overwrite it, or give "
+                              "another file name")
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"output directory {parent} does not exist (for {out}); create it first")
     if not os.access(parent, os.W_OK):

@@ -10,6 +10,8 @@ anyway. A whole-file checksum would force every load to read every file in full.
   their way into the file and records ``crc32`` on the item's storage entry, which DCP
   gathers into ``.metadata``; the checkpoint stays a plain DCP checkpoint that torch's own
   reader loads (it ignores the extra field).
+* ``.metadata`` itself is sealed with a SHA-256 (:mod:`.metadata_seal`) that the writer
+  writes after it and the reader checks before unpickling it.
 * :class:`ChecksummedReader` (a ``dcp.FileSystemReader``) reads each item's byte range,
   checks it and raises :class:`CheckpointCorruptError` naming the file, byte range and key
   before a damaged tensor reaches the model. Items without a recorded checksum (checkpoints
@@ -23,15 +25,23 @@ and ``ckpt convert`` use these; with plain ``dcp.save`` / ``dcp.load`` pass
 from __future__ import annotations
 
 import io
+import json
+import warnings
 import os
+import pickle
 import zlib
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.futures import Future
+
+from . import metadata_seal
+from .listing import MARKER
 
 __all__ = ["CheckpointCorruptError", "ChecksummedWriter", "ChecksummedReader", "CRC_FIELD", "count_checksums"]
 
 CRC_FIELD = "ragged_crc32"  # attribute added to DCP's per-item storage entry
+SEALED_FIELD = "ragged_sealed"  # set on DCP's Metadata by ChecksummedWriter: a missing seal file means it was lost
 
 
 class CheckpointCorruptError(ValueError):
@@ -150,9 +160,45 @@ class ChecksummedWriter(dcp.FileSystemWriter):
         fut.set_result(results)
         return fut
 
+    def _metadata_file(self) -> str:
+        per_rank = not getattr(self, "use_collectives", True) and getattr(self, "rank", None) is not None
+        return os.fspath(self._get_metadata_path(self.rank if per_rank else None))
+
+    def finish(self, metadata, results) -> None:
+        md_path = self._metadata_file()
+        metadata_seal.remove_seal(md_path)
+        setattr(metadata, SEALED_FIELD, True)  # so a reader knows a missing seal was lost, not never written
+        super().finish(metadata, results)
+        metadata_seal.write_seal(md_path)  # only now is .metadata complete and in place
+
 
 class ChecksummedReader(dcp.FileSystemReader):
     """``dcp.FileSystemReader`` that verifies each item it reads against its recorded CRC-32."""
+
+    def read_metadata(self, *args, **kwargs):
+        md_path = os.fspath(self._get_metadata_path(kwargs.get("rank")))
+        with open(md_path, "rb") as f:
+            data = f.read()
+        # checked on the bytes that are unpickled below, so a rewrite in between cannot slip by
+        sealed = metadata_seal.check_seal(md_path, data, CheckpointCorruptError)
+        try:
+            md = pickle.loads(data)
+        except Exception as e:
+            raise CheckpointCorruptError(
+                f"{md_path} cannot be read ({type(e).__name__}: {str(e).strip()[:200] or 'no message'}); the file "
+                "is truncated, damaged or not DCP metadata. " + metadata_seal.previous_hint(os.path.dirname(md_path))
+            ) from None
+        if not sealed:
+            if not os.path.exists(md_path):  # moved or deleted while being read: not damage
+                raise FileNotFoundError(f"{md_path} was removed while it was being read (the checkpoint was "
+                                        "moved or deleted meanwhile)")
+            why = _seal_expected(md, os.path.dirname(md_path))
+            if why:
+                raise CheckpointCorruptError(metadata_seal.missing_seal_message(md_path, why))
+        if getattr(md, "storage_meta", None) is None:  # as torch's reader leaves it
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -183,6 +229,26 @@ class ChecksummedReader(dcp.FileSystemReader):
                 "checkpoint"
             )
         return io.BytesIO(data)
+
+
+def _seal_expected(md, directory: str) -> str | None:
+    """Why an unsealed ``.metadata`` should have had a seal, or None (torch's writer)."""
+    if getattr(md, SEALED_FIELD, False):
+        return "its metadata records that ChecksummedWriter sealed it"
+    infos = getattr(md, "storage_data", None)
+    if isinstance(infos, dict) and any(getattr(i, CRC_FIELD, None) is not None for i in infos.values()):
+        # written by a ragged_fsdp from before seals (CRC-32s, no seal field): still loadable,
+        # its items are checked as before; only .metadata itself goes unchecked
+        warnings.warn(f"{directory}: written before ragged_fsdp sealed .metadata; its items are checked against "
+                      "their CRC-32s but .metadata itself cannot be; save again to seal it", stacklevel=3)
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            marker = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if isinstance(marker, dict) and marker.get("metadata_seal"):
+        return "its completion marker records that ragged_fsdp.checkpoint.save sealed it"
+    return None
 
 
 def count_checksums(metadata) -> tuple[int, int]:

@@ -6,13 +6,15 @@ import os
 import warnings
 from typing import Any
 
-from .atomic import _bcast, _rank
+from .atomic import _bcast, _rank, _use_dist
 from .convert import read_full
 from .errors import CheckpointWarning
 from .listing import _PARTIAL, Checkpoint, scan
 from .strict import load as _strict_load
 
 __all__ = ["load_latest"]
+
+_ATTEMPTS = 5  # listings tried when the chosen checkpoint keeps vanishing mid-read
 
 
 def load_latest(
@@ -38,8 +40,48 @@ def load_latest(
     When there is nothing to load (``root`` does not exist, or holds no published
     checkpoint) this raises ``FileNotFoundError`` naming ``root``: a mistyped path must not
     silently restart training. Pass ``missing_ok=True`` to get ``None`` instead (the first
-    run of a job that resumes when it can)."""
+    run of a job that resumes when it can).
+
+    A reader may run while another job saves with ``keep_last``: retention renames a
+    checkpoint out of the listing before deleting it, and a checkpoint that vanishes while
+    it is read is retried from a fresh listing (single process, ``state`` None or
+    ``strict``; up to 5 listings). Otherwise that case raises ``FileNotFoundError`` saying
+    so; never an error from inside DCP."""
     root = os.fspath(root)
+    for _ in range(_ATTEMPTS):
+        found = _locate(root, missing_ok, process_group)
+        if found is None:
+            return None
+        try:
+            if state is None:
+                found.state = read_full(found.path)
+            else:
+                _strict_load(state, found.path, strict=strict, process_group=process_group)
+                found.state = state
+            return found
+        except Exception as e:
+            if os.path.isdir(found.path):
+                raise
+            # Retention of a concurrent save renamed it away (atomically: the listing never
+            # shows a half-deleted checkpoint) after it was chosen; what the state holds now
+            # is partly from it. A single process lists again and reloads the newer one, which
+            # overwrites every entry only when strict (strict=False may skip some). Ranks of a
+            # group would each have to agree to retry, which needs a collective that the
+            # failed ranks may not all reach, so they raise instead.
+            vanished = e
+            if _use_dist(process_group) or (state is not None and not strict):
+                raise FileNotFoundError(
+                    f"load_latest: {found.path} was removed while it was being read (a concurrent save's "
+                    f"keep_last retention, or by hand); the state is partly loaded from it. Call "
+                    f"load_latest again: it loads the newest checkpoint under {root}") from e
+    raise FileNotFoundError(
+        f"load_latest: the newest checkpoint under {root} was removed while it was being read "
+        f"{_ATTEMPTS} times in a row (saves with keep_last delete checkpoints faster than this reader "
+        f"loads them; save with a higher keep_last); the state is partly loaded: load again") from vanished
+
+
+def _locate(root: str, missing_ok: bool, process_group) -> Checkpoint | None:
+    """Rank 0's choice of checkpoint, on every rank, with its skipped-step warnings."""
     if _rank(process_group) == 0:
         try:
             found = _find_latest(root, missing_ok)
@@ -50,17 +92,10 @@ def load_latest(
     found = _bcast(found, process_group)
     if isinstance(found, Exception):
         raise found
-    if found is None:
-        return None
-    if found.skipped and _rank(process_group) == 0:
+    if found is not None and found.skipped and _rank(process_group) == 0:
         for p, why in found.skipped:
             warnings.warn(f"load_latest: skipped {p}, newer than the step {found.step} it loads: {why}",
-                          CheckpointWarning, stacklevel=2)
-    if state is None:
-        found.state = read_full(found.path)
-        return found
-    _strict_load(state, found.path, strict=strict, process_group=process_group)
-    found.state = state
+                          CheckpointWarning, stacklevel=3)
     return found
 
 

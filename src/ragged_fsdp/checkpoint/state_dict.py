@@ -40,6 +40,7 @@ from torch.distributed.tensor import distribute_tensor as _torch_distribute_tens
 from ragged_fsdp.placement import RaggedDTensor
 from ragged_fsdp.placement import distribute_tensor as _ragged_distribute_tensor
 
+from . import subclass_values as _sub
 from ._tree import flatten, unflatten
 
 __all__ = [
@@ -63,8 +64,28 @@ def get_model_state_dict(
 ) -> dict[str, Any]:
     """As ``torch.distributed.checkpoint.state_dict.get_model_state_dict``: sharded values are
     RaggedDTensors; with ``full_state_dict=True`` they are gathered (to rank 0 only when
-    ``cpu_offload=True``)."""
-    return _tsd.get_model_state_dict(model, submodules=submodules, options=options)
+    ``cpu_offload=True``).
+
+    Tensor-subclass parameters (``subclass_values.py``): sharded, as they are (an NF4 weight's
+    pieces are RaggedDTensors of NF4 pieces, which DCP stores as they are); full, an NF4 weight
+    is the unsharded ``NF4Weight`` (``ragged_fsdp.quant.dequantized_state_dict`` turns the
+    state dict into plain values) and a float8 training weight its plain master values."""
+    if options is None or not options.full_state_dict or not _sub.has_subclass_values(model):
+        return _tsd.get_model_state_dict(model, submodules=submodules, options=options)
+    sd = _tsd.get_model_state_dict(model, submodules=submodules, options=_sharded(options))
+    quantised = {k: sd.pop(k) for k in _sub.quantised_keys(sd)}
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    # torch's own full gather (as its get_model_state_dict does it) for everything else
+    use_dist = dist.is_available() and dist.is_initialized()
+    ranks_only = (0,) if options.cpu_offload and use_dist else ()
+    out = _gather_state_dict(_sub.as_plain_values(sd), cpu_offload=options.cpu_offload, ranks_only=ranks_only)
+    keep = not ranks_only or dist.get_rank() in ranks_only
+    for k, v in quantised.items():
+        full = _sub.gather_quantised(v, k)
+        if keep:
+            out[k] = full.cpu() if options.cpu_offload else full
+    return out if keep else {}
 
 
 def get_optimizer_state_dict(
@@ -86,6 +107,9 @@ def get_state_dict(
     submodules: set[nn.Module] | None = None,
     options: StateDictOptions | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    if options is not None and options.full_state_dict and _sub.has_subclass_values(model):
+        return (get_model_state_dict(model, submodules=submodules, options=options),
+                get_optimizer_state_dict(model, optimizers, submodules=submodules, options=options))
     return _tsd.get_state_dict(model, optimizers, submodules=submodules, options=options)
 
 
@@ -127,10 +151,29 @@ def set_model_state_dict(
         return _tsd.set_model_state_dict(model, model_state_dict, options=options)
     _check_options(options)
     local = _tsd.get_model_state_dict(model, options=_sharded(options))
+    # quantised subclass weights (NF4): the full value is the subclass itself, cut by rows here
+    quantised = {k: local.pop(k) for k in _sub.quantised_keys(local)}
+    broadcast = options.broadcast_from_rank0 and dist.is_available() and dist.is_initialized()
+    full = dict(model_state_dict)
+    qfull = {}
+    for k in quantised:
+        if broadcast:
+            box = [full.get(k) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # pickled: one per tensor, at load time only
+            qfull[k] = box[0]
+        else:
+            qfull[k] = full.get(k)
+        full.pop(k, None)
+    missing = [k for k, v in qfull.items() if v is None]
+    if missing and options.strict:
+        raise RuntimeError(f"ragged_fsdp: cannot load the full model state dict: missing keys: {_names(missing)}")
     shards = _full_to_shards(
-        model_state_dict, local, broadcast=options.broadcast_from_rank0, strict=options.strict,
+        full, local, broadcast=options.broadcast_from_rank0, strict=options.strict,
         what="model state dict",
     )
+    for k, v in qfull.items():
+        if v is not None:
+            shards[k] = _sub.shard_quantised(k, v, quantised[k])
     return _tsd.set_model_state_dict(model, shards, options=_sharded(options))
 
 

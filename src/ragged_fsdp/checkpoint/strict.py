@@ -50,6 +50,8 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         raise FileNotFoundError(f"{path} is not a DCP checkpoint (no .metadata file)")
     try:
         md = ChecksummedReader(path).read_metadata()
+    except (CheckpointCorruptError, FileNotFoundError):  # already say which file and why
+        raise
     except Exception as e:  # EOFError, UnpicklingError, ... from a damaged or foreign file
         raise CheckpointCorruptError(
             f"{md_path} cannot be read ({type(e).__name__}: {_first_line(e)}); the file is "

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
+
+from ._args import UsageError
 
 # subcommand name -> module under ragged_fsdp.cli
 SUBCOMMANDS = {"plan": "plan", "demo": "demo", "bench": "bench", "ckpt": "ckpt", "simulate": "simulate"}
@@ -20,4 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(modules[args.command].run(args) or 0)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except UsageError as e:
+        # exit code 2 as argparse; Python prints nothing for an integer code, so the line is ours
+        print(f"{args.command}: error: {e}", file=sys.stderr)
+        raise

@@ -3,6 +3,7 @@
     python -m ragged_fsdp ckpt convert DIR OUT.pt [--key model]   DCP -> torch.save
     python -m ragged_fsdp ckpt convert IN.pt OUTDIR [--key model] torch.save -> DCP
     python -m ragged_fsdp ckpt convert IN.pt ROOT --root          ... published as a new step
+    (an existing OUT.pt / OUTDIR checkpoint is replaced only with --force)
     python -m ragged_fsdp ckpt ls ROOT                             published checkpoints
     python -m ragged_fsdp ckpt info DIR                            keys, shapes, dtypes, chunks
 
@@ -36,6 +37,9 @@ def add_parser(sub) -> None:
     c.add_argument("--root", action="store_true",
                    help="file->DCP: DST is a root; publish the checkpoint atomically as a new step")
     c.add_argument("--step", type=int, default=None, help="with --root: the step to publish as")
+    c.add_argument("--force", action="store_true",
+                   help="replace DST if it exists (a file, or a DCP checkpoint directory); without it "
+                        "an existing DST is an error")
     ls = cmds.add_parser("ls", help="list published checkpoints under a root")
     ls.add_argument("root")
     info = cmds.add_parser("info", help="keys, shapes, dtypes and chunk counts of a checkpoint")
@@ -78,11 +82,12 @@ def run(args) -> int:
 def _convert(args, ck) -> int:
     if os.path.isdir(args.src):
         src = ck.resolve(args.src)
-        state = ck.dcp_to_torch_save(src, args.dst, key=args.key)
+        state = ck.dcp_to_torch_save(src, args.dst, key=args.key, force=args.force)
         print(f"wrote {args.dst} ({_count(state)} tensors) from {src}")
         return 0
     if os.path.isfile(args.src):
-        out = ck.torch_save_to_dcp(args.src, args.dst, key=args.key, root=args.root, step=args.step)
+        out = ck.torch_save_to_dcp(args.src, args.dst, key=args.key, root=args.root, step=args.step,
+                                   force=args.force)
         print(f"wrote DCP checkpoint {out} from {args.src}")
         return 0
     raise FileNotFoundError(f"{args.src} does not exist")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from ._args import UsageError, output_dir
 
 
 def add_parser(sub) -> None:
@@ -11,16 +14,29 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16, help="global batch in sequences, a multiple of --nproc (default 16)")
-    p.add_argument("--data", default=None, help="any text file (default: the embedded corpus)")
+    p.add_argument("--data", default=None, help="any text file of at least 1 KiB (default: the embedded corpus)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "adamw8bit", "muon", "shampoo"])
-    p.add_argument("--out", default="out/demo")
+    p.add_argument("--out", default="out/demo", help="directory for the report (default out/demo)")
+
+
+def check(args) -> str | None:
+    """Why the demo cannot run with these arguments, or None. Every argument is checked here,
+    before torchrun starts N processes that would each fail the same way (a missing --data
+    file used to fail in every rank a minute in; a bad --out only after the training)."""
+    from ..train import check_args, check_data
+
+    err = check_args(args.steps, args.batch, args.nproc) or check_data(args.data)
+    if err:
+        return err
+    try:
+        output_dir("--out", args.out)
+    except UsageError as e:
+        return str(e)
+    return None
 
 
 def run(args) -> int:
-    from ..train import check_args
-
-    # Checked here, before torchrun starts N processes that would each fail the same way.
-    err = check_args(args.steps, args.batch, args.nproc)
+    err = check(args)
     if err:
         print(f"demo: error: {err}", file=sys.stderr)
         return 2
@@ -33,7 +49,5 @@ def run(args) -> int:
         cmd += ["--data", args.data]
     env_note = "OMP_NUM_THREADS=1"
     print(f"$ {env_note} torchrun --standalone --nproc_per_node={args.nproc} -m ragged_fsdp.train ...", flush=True)
-    import os
-
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.call(cmd, env=env)

@@ -56,6 +56,7 @@ def fully_shard(
     shard_placement_fn: Any = None,
     dp_mesh_dims: Any = None,
     all_gather_quant: Any = None,
+    gradient_reduce: Any = None,
 ):
     """Shard ``module``'s parameters (those not already in a group below it) over ``mesh``.
 
@@ -75,6 +76,11 @@ def fully_shard(
     for 2-D weights, whole expert matrices for fused experts whose rows are not a multiple of
     128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
     Gradients and optimizer states are unchanged. The result is the same at every world size.
+
+    ``gradient_reduce=ragged_fsdp.GradientReduce(wire_dtype=torch.int8, error_feedback=True)``
+    sends each rank's gradient pieces to their owners in ``wire_dtype`` (bf16; int8 or fp8
+    e4m3 codes with one fp32 scale per block, the blocks being the layout's, never cut) and
+    sums them in ``mp_policy.reduce_dtype``, which must be fp32; see ``docs/gradient-reduce.md``.
 
     ``offload_policy``: torch's ``CPUOffloadPolicy`` (everything on the host, the optimizer
     steps there), torch's ``OffloadPolicy()`` (nothing), or ``ragged_fsdp.OffloadPolicy(params=,
@@ -127,6 +133,7 @@ def fully_shard(
             params, modules, placed, where, device_for(device), mp_policy,
             granularity_fn, raf, all_gather_quant=all_gather_quant,
             post_forward_comm=None if isinstance(raf, bool) else node_comm(mesh, raf),
+            gradient_reduce=gradient_reduce,
         )
         state.group = group
         if offload is not None:

@@ -46,6 +46,7 @@ from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
 from .offload import release_staged
 from .reduction import Settings
+from .wire_reduce import check_wire_reduce_dtype
 from .unit import ParamInfo, Unit
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
@@ -73,6 +74,7 @@ class ParamGroup:
         reshard_after_forward: bool | int,
         all_gather_quant=None,
         post_forward_comm=None,
+        gradient_reduce=None,
     ):
         self.modules = modules
         self.dps: list[DPMesh] = []  # the data-parallel meshes of its units, in first-use order
@@ -100,6 +102,7 @@ class ParamGroup:
         self.units: list[Unit] = []
         self.infos: list[ParamInfo] = []
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
+        self.gradient_reduce = gradient_reduce  # a GradientReduce (wire format, fp32 sum) or None
         self.hooks = CommHooks()  # set_custom_all_gather / _reduce_scatter, set_all_reduce_hook
         self.post_optim_event = None  # set_post_optim_event: the next all-gather waits on it
         self.on_host = None  # what offload_to_host moved to the host (see phase.py), until load_to_device
@@ -107,13 +110,15 @@ class ParamGroup:
         for u in self.units:
             u.post_forward_comm = post_forward_comm
             u.hooks = self.hooks
+        if gradient_reduce is not None:
+            check_wire_reduce_dtype(self, gradient_reduce)
 
     @property
     def buffers(self) -> list[DBuffer]:
         return [u.buf for u in self.units]
 
     def settings(self) -> Settings:
-        return Settings(self.gradient_divide_factor, self.requires_all_reduce)
+        return Settings(self.gradient_divide_factor, self.requires_all_reduce, self.gradient_reduce)
 
     def _build(self, params, placed: list[ParamPlacement], granularity_fn) -> None:
         build_units(self, params, placed, granularity_fn)

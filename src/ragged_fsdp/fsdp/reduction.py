@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ragged_fsdp.quant.grad_wire import GradientReduce
+
 from . import tracing as trace
 from .collectives import all_reduce, reduce_scatter
 from .device import Device, Pending
@@ -41,6 +43,7 @@ from .extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
 from .mesh_info import DPMesh
 from .offload import grads_to_host
 from .unit import Unit
+from .wire_reduce import wire_reduce_scatter
 
 __all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
 
@@ -129,6 +132,21 @@ class Settings:
 
     divide_factor: float | None = None
     requires_all_reduce: bool = True
+    wire: GradientReduce | None = None  # fully_shard(gradient_reduce=...): low-precision pieces, fp32 sum
+
+
+def _scatter(dev: Device, unit: Unit, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+             factor: float | None, settings: Settings) -> Pending:
+    """The shard-dim reduction of ``unit``: the engine's reduce-scatter (or the user's
+    custom one), or the wire format's all-to-all plus fp32 sum."""
+    rs = unit.hooks.reduce_scatter
+    if settings.wire is None or not grad.is_floating_point():
+        return reduce_scatter(dev, unit.dp.shard, grad, target, accumulate, factor, custom=rs)
+    if rs is not None:
+        raise ValueError(
+            f"ragged_fsdp: {unit!r} has both set_custom_reduce_scatter and fully_shard(gradient_reduce=...); "
+            "the custom comm replaces the collective the wire format needs: remove one of them")
+    return wire_reduce_scatter(dev, unit.dp.shard, grad, target, accumulate, factor, unit.wire_state(settings.wire))
 
 
 @dataclass(eq=False)
@@ -184,16 +202,16 @@ class Reductions:
         if dp.replicate is not None:
             return self._reduce_hsdp(dev, unit, grad, touched, settings, prev, early)
         factor = settings.divide_factor
-        rs, hooked = unit.hooks.reduce_scatter, unit.hooks.all_reduce_hook is not None
+        hooked = unit.hooks.all_reduce_hook is not None
         if prev is not None:  # late gradients of an early-reduced unit: add them in
             if not hooked:
-                pending = reduce_scatter(dev, dp.shard, grad, prev.target, True, factor, custom=rs)
+                pending = _scatter(dev, unit, grad, prev.target, True, factor, settings)
                 return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True))
             had, target, accumulate, early = prev.had_grad, prev.target, True, True
         else:
             had, existing = unit.existing_grads()
             if not existing:
-                if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None:
+                if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None and settings.wire is None:
                     # nothing to reduce: the unsharded gradient buffer is the sharded one
                     stage = _hook_stage(dev, unit, grad, grad, False, None) if hooked else None
                     return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early, replicate=stage),
@@ -202,12 +220,12 @@ class Reductions:
             else:
                 target, accumulate = unit.accumulation_target(existing), True
         if not hooked:
-            pending = reduce_scatter(dev, dp.shard, grad, target, accumulate, factor, custom=rs)
+            pending = _scatter(dev, unit, grad, target, accumulate, factor, settings)
             return self._add(Reduction(unit, pending, target, touched, had, dp, early=early))
         # the hook sees this reduction's result alone (before it is cast or added into
         # gradients accumulated earlier), as FSDP2's hook sees its reduce-scatter output
         out = target if not accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
-        pending = reduce_scatter(dev, dp.shard, grad, out, False, factor, custom=rs)
+        pending = _scatter(dev, unit, grad, out, False, factor, settings)
         stage = _hook_stage(dev, unit, out, target, accumulate, pending)
         self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage))
 
@@ -231,7 +249,7 @@ class Reductions:
                     partial.add_(earlier)
                 unit.partial, unit.partial_touched = partial, touched
 
-            first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0, custom=unit.hooks.reduce_scatter)
+            first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
             self.in_flight.append(PartialSum(unit, first, keep))
             trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early)
             return
@@ -246,7 +264,7 @@ class Reductions:
         direct = earlier is None and not existing and grad.dtype == buf.dtype
         partial = target if direct else _segment(unit, grad.dtype)
         factor = float(settings.divide_factor or dp.size)
-        first = reduce_scatter(dev, dp.shard, grad, partial, False, 1.0, custom=unit.hooks.reduce_scatter)
+        first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
 
         def before() -> None:
             if earlier is not None:

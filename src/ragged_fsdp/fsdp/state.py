@@ -91,6 +91,9 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
         self._to_run: set[int] = set()  # modules of a list group still to run this pass
+        # set by the post-forward hook: the always-call hook after it tells a forward that
+        # raised from one that returned (a list group's first module returns still FORWARD)
+        self._forward_returned = True
         self._handles = []
         # torch.compile: the hooks run eagerly (a graph break at each), as FSDP2's do; dynamo
         # traces the module's compute between them, on the plain unsharded parameters.
@@ -146,6 +149,7 @@ class FSDPState:
             # the last backward raised before its final callback (autograd drops a failed
             # backward's callbacks): start clean, before the states it left are read
             self.abort_step()
+        self._forward_returned = False
         if recomputing or self.training_state is TrainingState.PRE_BACKWARD:
             # activation-checkpoint recomputation inside backward: parameters only
             if self.group is not None:
@@ -183,7 +187,8 @@ class FSDPState:
         already ran); when it raised and this is the forward's root, the step is undone
         before the exception reaches the caller, so an optimizer or a state dict made next
         sees the sharded parameters."""
-        if self.training_state is TrainingState.FORWARD and self.ctx.iter_forward_root is self:
+        returned, self._forward_returned = self._forward_returned, True
+        if not returned and self.training_state is TrainingState.FORWARD and self.ctx.iter_forward_root is self:
             self.abort_step()
 
     def abort_step(self) -> None:
@@ -211,6 +216,7 @@ class FSDPState:
             nxt.prefetch(TrainingState.FORWARD)
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
+        self._forward_returned = True
         if in_backward() or self.training_state is TrainingState.PRE_BACKWARD:
             return self._cast_output(output)
         if len(self.modules) > 1:

@@ -29,6 +29,13 @@ half of a DBuffer), which the engine's reductions reduce-scatter like any other 
 sharded parameter's ``.grad`` is a plain RaggedShard DTensor of its rows (the optimizer then
 updates the subclass piece through the subclass's own ops). Such units are never reduced
 early (their unsharded data is not one flat buffer that the early-reduction watch can see).
+
+torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
+codes, scalers and factors, and the same dequantisation): its ops split only into equal pieces
+and its one-argument ``fsdp_pre_all_gather`` rebuilds the shape as local rows x world size,
+neither of which fits pieces of different sizes. ``load_state_dict(assign=True)`` of a subclass
+parameter copies the assigned value into the rank's piece (a hook on the owner module) and
+puts the sharded parameter back, so the unit keeps gathering from its own pieces.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement import RaggedShard
@@ -51,7 +59,7 @@ from .sharded_param import make_sharded_param
 from .unit import ParamInfo, Unit
 
 __all__ = ["is_extension", "extension_granularity", "check_extension", "SubclassStore", "SubclassUnit",
-           "build_subclass_unit", "call_pre_all_gather"]
+           "build_subclass_unit", "call_pre_all_gather", "adopt_foreign"]
 
 # gloo and NCCL reduce nothing here, so 1-byte types without a collective dtype travel as uint8
 _WIRE = {torch.float8_e4m3fn: torch.uint8, torch.float8_e5m2: torch.uint8, torch.bool: torch.uint8}
@@ -110,10 +118,11 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
     store = SubclassStore(layout, group.device, dtype, compute, mp_policy.reduce_dtype or compute)
     unit = SubclassUnit(index, store, dp, group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh,
                         after_grad=group._after_grad)
+    store.pieces = unit.locals
     rank = dp.shard.rank
     for j, (name, p, owners, pl) in enumerate(items):
         s = layout.slots[j]
-        data = pl.data.detach()
+        data = adopt_foreign(pl.data.detach())
         cols = math.prod(s.shape[1:])
         a, b = s.placement.element_range(s.shape, rank)
         if a % cols or b % cols:
@@ -126,9 +135,53 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
         info.register(sharded)
         unit.infos.append(info)
         unit.locals.append(piece)
+        unit.rows.append((r0, r1))
         unit.modules.append(owners[0][0])
         group.infos.append(info)
+        for module, _ in owners:
+            module.register_load_state_dict_post_hook(functools.partial(_reclaim_assigned, unit, j))
     return unit
+
+
+def adopt_foreign(data: torch.Tensor) -> torch.Tensor:
+    """torchao's ``NF4Tensor`` as an :class:`~ragged_fsdp.quant.nf4.NF4Weight` (see the module
+    docstring); any other tensor as it is. Matched by name: torchao is not a dependency."""
+    t = type(data)
+    if t.__name__ == "NF4Tensor" and t.__module__.startswith("torchao."):
+        from ragged_fsdp.quant.nf4 import NF4Weight
+
+        return NF4Weight.from_torchao(data)
+    return data
+
+
+def _reclaim_assigned(unit: "SubclassUnit", j: int, module: nn.Module, incompatible_keys) -> None:
+    """After ``load_state_dict(assign=True)`` replaced a subclass parameter: copy the new value
+    (a sharded parameter of the same layout, or the full tensor) into this rank's piece and
+    register the sharded parameter again. Runs before the FSDP module's own post hook
+    (children's hooks run first; on the module itself this one was registered first)."""
+    info = unit.infos[j]
+    for mod, name in info.owners:
+        cur = mod._parameters.get(name)
+        if cur is None or cur is info.sharded:
+            continue
+        if isinstance(cur, DTensor):
+            if tuple(cur.placements) != tuple(info.sharded.placements):
+                raise ValueError(
+                    f"load_state_dict(assign=True): {info.fqn!r} is laid out {cur.placements}, the model "
+                    f"{info.sharded.placements}; load the values with copy (assign=False) or a state dict "
+                    "of this layout")
+            new = cur._local_tensor
+        else:
+            if tuple(cur.shape) != tuple(info.sharded.shape):
+                raise ValueError(
+                    f"load_state_dict(assign=True): {info.fqn!r} has shape {tuple(cur.shape)}, expected "
+                    f"{tuple(info.sharded.shape)}")
+            new = _rows_of(info.fqn, adopt_foreign(cur.detach()), *unit.rows[j])
+        with torch.no_grad():
+            unit.locals[j].copy_(new.detach())
+        if cur.requires_grad != info.sharded.requires_grad:
+            info.sharded.requires_grad_(cur.requires_grad)
+        mod._parameters[name] = info.sharded
 
 
 def _rows_of(name: str, data: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
@@ -184,6 +237,7 @@ class SubclassStore:
         self.grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         self._grad_versions: list[int] = []
+        self.pieces: list[torch.Tensor] = []  # the unit's subclass piece per slot (its ``locals``)
 
     slots = DBuffer.slots
     world_size = DBuffer.world_size
@@ -199,6 +253,15 @@ class SubclassStore:
     @property
     def unsharded_allocated(self) -> bool:
         return False
+
+    # What re-pointing after load_state_dict(assign=True) reads (fsdp/moving.py): a slot's
+    # "sharded view" is its piece, and copying a new local copies into the piece's own tensors.
+    def sharded_view(self, i: int) -> torch.Tensor:
+        return self.pieces[i]
+
+    @torch.no_grad()
+    def copy_local_(self, i: int, src: torch.Tensor) -> None:
+        self.pieces[i].copy_(src)
 
     def rebuild(self, device, dtype):
         raise NotImplementedError(
@@ -221,6 +284,7 @@ class SubclassUnit(Unit):
         self.mp_policy = mp_policy
         self.mesh = mesh  # what fsdp_pre_all_gather gets as its mesh (FSDP2: the shard mesh)
         self.locals: list[torch.Tensor] = []  # this rank's subclass piece per slot
+        self.rows: list[tuple[int, int]] = []  # per slot: this rank's rows [r0, r1)
         self.modules: list[nn.Module] = []  # the owner module per slot (the hook's ``module``)
         self._sizes: list[list[tuple[int, int]]] | None = None  # [rank][input] -> (numel, dtype code)
         self._outputs: list[list[torch.Tensor]] = []  # per slot: the flat all-gather outputs

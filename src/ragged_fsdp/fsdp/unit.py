@@ -43,6 +43,7 @@ from .extension import CommHooks
 from .mesh_info import DPMesh
 from .quant_gather import quant_all_gather
 from .sharded_param import local_of, make_sharded_grad
+from .wire_reduce import WireState
 
 __all__ = ["ParamInfo", "Unit"]
 
@@ -101,6 +102,7 @@ class Unit:
         self._after_grad = after_grad
         self.hooks = CommHooks()  # the group's custom comms and hook (shared with the group)
         self.offload = None  # an offload.UnitOffload under fully_shard(offload_policy=...)
+        self.wire: WireState | None = None  # fully_shard(gradient_reduce=...): blocks and residual
         self.new_forward_record()
         self.new_backward_record()
 
@@ -252,6 +254,12 @@ class Unit:
             if info.unsharded is not None:
                 info.unsharded.grad = None
         return grad, touched
+
+    def wire_state(self, fmt) -> WireState:
+        """The wire format's blocks of this buffer (made once) and its error-feedback residual."""
+        if self.wire is None or self.wire.fmt != fmt:
+            self.wire = WireState(self.buf.layout, fmt)
+        return self.wire
 
     def drop_grads(self) -> None:
         """Forget the gradients of a step that raised: the unsharded gradient buffer, the

@@ -4,7 +4,7 @@
     ragged_accelerate.enable()                       # before Accelerator(...)
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, ...)
-    accelerator = Accelerator(fsdp_plugin=plugin)
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)   # cpu=True on a machine without GPUs
     model, optimizer = accelerator.prepare(model, optimizer)
 
 After :func:`enable`, ``accelerator.prepare`` runs accelerate's own ``fsdp2_prepare_model``
@@ -39,6 +39,12 @@ plugin by the plugin's own ``set_mixed_precision`` (``"bf16"`` ->
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``; an explicit
 ``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin there is refused
 (accelerate's own FSDP1 plugin already refuses to be built without an accelerator).
+
+Without ``cpu=True`` a CPU machine gives accelerate's distributed type ``NO`` even under
+torchrun: accelerate drops the FSDP plugin and every process trains its own unsharded copy,
+without a word (and ``accelerate launch --num_processes N`` starts one process there). After
+:func:`enable`, an FSDP plugin with distributed type ``NO`` is refused
+(:class:`RaggedAccelerateError`) with ``Accelerator(cpu=True, ...)`` and torchrun as the fix.
 """
 
 from __future__ import annotations
@@ -184,13 +190,50 @@ def _wrap(fn):
     return wrapper
 
 
+def _refuse_unsharded(state, fsdp_plugin) -> None:
+    """An FSDP plugin with accelerate's distributed type ``NO``: accelerate drops the plugin
+    and every process trains the whole model alone, with no sharding, no gradient reduction
+    and no warning. Refused rather than warned about: N full copies training apart look like
+    one healthy run in the logs (each rank prints its own plausible loss), cost N times the
+    memory, and write N checkpoints over one another; a warning among N ranks' output is
+    easily missed, and the fix is one argument."""
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    # nothing was started (type NO joins no process group): forget the refused state, so that
+    # Accelerator(cpu=True, ...) can be built next in this process
+    AcceleratorState._reset_state(reset_partial_state=True)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise RaggedAccelerateError(
+            f"ragged_fsdp.integrations.accelerate: Accelerator(fsdp_plugin=...) in one of WORLD_SIZE={world} "
+            "launched processes, but accelerate chose distributed type NO (no accelerator found, and "
+            "cpu=True not passed): each process would train the whole model on its own, unsharded and "
+            "never synchronised. On a CPU machine pass Accelerator(cpu=True, fsdp_plugin=...): accelerate "
+            "then joins the processes (gloo) and ragged_fsdp shards the model over them"
+        )
+    raise RaggedAccelerateError(
+        "ragged_fsdp.integrations.accelerate: Accelerator(fsdp_plugin=...) in a single process "
+        "(no launcher set WORLD_SIZE): accelerate chose distributed type NO and would ignore the plugin, "
+        "sharding nothing. On a machine without GPUs `accelerate launch --num_processes N` starts one "
+        "process only: launch the ranks with `torchrun --nproc_per_node N train.py` and build "
+        "Accelerator(cpu=True, fsdp_plugin=...); to train in one process, leave fsdp_plugin out"
+    )
+
+
 def _take_fsdp_branch_on_cpu(state, fsdp_plugin) -> None:
     """What accelerate's ``AcceleratorState`` does for an FSDP plugin on GPUs, done on
-    ``MULTI_CPU`` (where accelerate would silently use DDP)."""
+    ``MULTI_CPU`` (where accelerate would silently use DDP); an FSDP plugin that accelerate
+    would silently ignore (distributed type ``NO``) is refused."""
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    if fsdp_plugin is None or state.distributed_type != DistributedType.MULTI_CPU:
+    if fsdp_plugin is None:
+        return
+    if state.distributed_type == DistributedType.NO:
+        _refuse_unsharded(state, fsdp_plugin)
+    if state.distributed_type != DistributedType.MULTI_CPU:
         return
     if getattr(fsdp_plugin, "fsdp_version", 1) != 2:
         # accelerate's FSDP1 plugin refuses a CPU machine when it is built; one made before

@@ -34,9 +34,11 @@ class LoRALinear(nn.Module):
         self.scale = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype  # computed in fp32, returned in the caller's dtype (bf16 under param_dtype=bf16)
         x = x.float()
         base = F.linear(x, self.weight)  # NF4: dequantised to fp32 for the product
-        return base + F.linear(F.linear(x, self.lora_a.float()), self.lora_b.float()) * self.scale
+        out = base + F.linear(F.linear(x, self.lora_a.float()), self.lora_b.float()) * self.scale
+        return out.to(dtype)
 
 
 def qlora(model: nn.Module, rank: int = 8, alpha: float = 16.0, adapter_dtype: torch.dtype = torch.bfloat16,

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from .spec import outer_offsets, outer_shape, ragged_dim
+from .subclass_local import is_subclass_local, row_views, values_of
 
 __all__ = ["local_box_views", "create_write_items", "create_chunk_list", "get_tensor_shard"]
 
@@ -55,11 +56,14 @@ def local_box_boxes(dt) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def local_box_views(dt) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
     """``(offsets, sizes, view)`` for every box of this rank's run, in storage order.
 
-    Each view aliases the local tensor (no copy), so writes into it land in the shard."""
-    local = dt._local_tensor
+    Each view aliases the local tensor (no copy), so writes into it land in the shard. A
+    tensor-subclass local (``subclass_local.py``): its plain values, or whole-row narrows."""
+    local = _stored(dt)
     boxes = local_box_boxes(dt)
     if not boxes:
         return []
+    if is_subclass_local(local):
+        return [(tuple(o), tuple(sz), v) for (o, sz), v in zip(boxes, row_views(local, boxes))]
     if not local.is_contiguous():
         raise RuntimeError(
             "ragged_fsdp checkpoint: the local tensor of a RaggedShard DTensor must be "
@@ -80,9 +84,18 @@ def local_box_views(dt) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Te
     return out
 
 
+def _stored(dt) -> torch.Tensor:
+    """What DCP reads and writes for ``dt``: its local tensor, or a value wrapper's values."""
+    local = dt._local_tensor
+    if is_subclass_local(local):
+        values = values_of(local)
+        return local if values is None else values
+    return local
+
+
 def create_write_items(dt, fqn: str) -> list[WriteItem]:
     """One SHARD write item per box (none on a rank that holds nothing)."""
-    props = TensorProperties.create_from_tensor(dt._local_tensor)
+    props = TensorProperties.create_from_tensor(_stored(dt))
     size = torch.Size(dt.shape)
     items = []
     for offsets, sizes in local_box_boxes(dt):

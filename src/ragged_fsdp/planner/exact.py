@@ -82,11 +82,12 @@ def _offsets(prob: Problem, kinds, parent) -> list[int]:
 
 
 def exact_below(prob: Problem, cond: Conditions, s_from: int, s_to: int,
-                budget: int, max_candidates: int = 32) -> tuple[int, list[int]] | None:
+                budget: int, max_candidates: int = 32,
+                spent: list[int] | None = None) -> tuple[int, list[int]] | None:
     """The least feasible segment in ``[s_from, s_to)`` and its offsets, walking the
     admissible candidates upward; None when there is none below ``s_to`` or when the walk
     would cost more than ``budget`` state expansions or ``max_candidates`` segment sizes
-    (then nothing is claimed).
+    (then nothing is claimed). ``spent`` (a one-item list) gets the expansions used added.
 
     The planner calls this after the heuristic (``s_to`` = its segment) on groups where the
     walk is cheap: few tensors or few distinct kinds, and a short way from the bound."""
@@ -103,6 +104,9 @@ def exact_below(prob: Problem, cond: Conditions, s_from: int, s_to: int,
             S = cond.next_candidate(S + 1)
     except _OutOfBudget:
         return None
+    finally:
+        if spent is not None:
+            spent[0] += min(budget, budget - left[0])  # an overrun stops before that layer
     return None
 
 

@@ -55,6 +55,7 @@ def plan_group(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 
     s_lb = cond.next_candidate(0)
     W, a = prob.world_size, prob.a
     packer = _Packer(prob)
+    spent = [0]
 
     if prob.padded_sum == 0:  # nothing to lay out
         seg, offs, name = 0, [0] * prob.n, "empty"
@@ -62,7 +63,7 @@ def plan_group(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 
         seg, offs, name = _search(packer, cond, s_lb, W, a)
         # worth it only when the gap to the bound is more than 0.01% of the elements
         if seg > s_lb and (seg - s_lb) * W * 10_000 > packer.used:
-            better = exact_below(prob, cond, s_lb, seg, EXACT_BUDGET)
+            better = exact_below(prob, cond, s_lb, seg, EXACT_BUDGET, spent=spent)
             if better is not None:
                 seg, offs, name = better[0], better[1], "exact"
 
@@ -72,6 +73,7 @@ def plan_group(specs: Sequence[TensorSpec], world_size: int, align_bytes: int = 
         world_size=W, segment=seg, offsets=offsets, order=order,
         specs={s.name: s for s in specs}, align_bytes=align_bytes,
         lower_bound=W * s_lb, plan_seconds=time.perf_counter() - t0, strategy=name,
+        packings=packer.packs, exact_states=spent[0],
     )
 
 
@@ -128,6 +130,7 @@ class _Packer:
     def __init__(self, prob: Problem):
         self.prob = prob
         self.used = sum(prob.e)
+        self.packs = 0
         self._limit = None
         n, e, L, a = prob.n, prob.e, prob.L, prob.a
         idx = range(n)
@@ -175,6 +178,7 @@ class _Packer:
     def pack(self, S: int):
         """``((offsets, strategy), end)`` for the first packing that fits in ``W*S``, else
         ``(None, least end seen)`` (end None when no packing could place every tensor)."""
+        self.packs += 1
         cap = self.prob.world_size * S
         best_end = None
         self._limit = None  # a packing that passes the best end so far stops early

@@ -28,6 +28,9 @@ class Plan:
     lower_bound: int = 0  # elements, a lower bound on W*S
     plan_seconds: float = 0.0
     strategy: str = field(default="", compare=False)  # which packing produced it
+    # work done, a load-independent measure of planning cost (tests assert these, not time)
+    packings: int = field(default=0, compare=False)  # segment sizes the heuristic packed
+    exact_states: int = field(default=0, compare=False)  # DP states the exact walk expanded
 
     # -- sizes -------------------------------------------------------------------------
     @property
@@ -116,6 +119,7 @@ class Plan:
             order=[mapping[n] for n in self.order], specs=new_specs,
             align_bytes=self.align_bytes, lower_bound=self.lower_bound,
             plan_seconds=self.plan_seconds, strategy=self.strategy,
+            packings=self.packings, exact_states=self.exact_states,
         )
 
     def summary(self) -> dict:
@@ -124,4 +128,5 @@ class Plan:
             "used": self.used, "padding": self.padding, "padding_ratio": self.padding_ratio,
             "lower_bound": self.lower_bound, "lower_bound_ratio": self.lower_bound_ratio,
             "plan_seconds": self.plan_seconds, "strategy": self.strategy,
+            "packings": self.packings, "exact_states": self.exact_states,
         }

@@ -1,10 +1,13 @@
-"""Block-wise quantisation for the all-gather (pure math; the collective is in
-``ragged_fsdp.fsdp.quant_gather``)."""
+"""Block-wise quantisation for the all-gather and the gradient reduction (pure math; the
+collectives are in ``ragged_fsdp.fsdp.quant_gather`` and ``ragged_fsdp.fsdp.wire_reduce``)."""
 from .blockfp8 import (
     FP8_DTYPES, BlockFP8, TileGeometry, dequantize_pieces, per_tensor_quantize_dequantize,
     quantize_dequantize, quantize_pieces, tile_amax,
 )
+from .grad_wire import GradientReduce
 from .scale_layout import ScaleLayout
+from .state_dict import dequantized_state_dict
 
-__all__ = ["BlockFP8", "TileGeometry", "ScaleLayout", "quantize_pieces", "dequantize_pieces",
-           "quantize_dequantize", "per_tensor_quantize_dequantize", "tile_amax", "FP8_DTYPES"]
+__all__ = ["BlockFP8", "GradientReduce", "TileGeometry", "ScaleLayout", "quantize_pieces", "dequantize_pieces",
+           "quantize_dequantize", "per_tensor_quantize_dequantize", "tile_amax", "FP8_DTYPES",
+           "dequantized_state_dict"]

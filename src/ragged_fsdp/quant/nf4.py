@@ -7,7 +7,8 @@ Storage (the layout torchao's ``NF4Tensor`` uses, so its weights can be adopted 
 * ``scalers``: ``int8``, one per 64-value block: the block's absmax minus the tensor's mean
   absmax, quantised per scaler block of 256 blocks;
 * ``factors``: ``float32``, one per scaler block (``scaler = q / factor + mean``);
-* ``mean``: the tensor's mean absmax (one value; every shard keeps it, nothing gathers it).
+* ``mean``: the tensor's mean absmax (one value; every shard keeps a copy, and the all-gather
+  takes it from a rank that holds rows, see ``fsdp_pre_all_gather``).
 
 A run of whole scaler blocks (``64 * 256`` values) is an NF4 weight of its own with no
 re-quantisation, which is why :attr:`NF4Weight.ragged_granularity` asks the planner for
@@ -15,7 +16,9 @@ whole scaler blocks, in whole rows. The weight implements the FSDP2 all-gather p
 (``fsdp_pre_all_gather`` with the five-argument signature, ``fsdp_post_all_gather``); the
 full shape travels in the metadata (``outer_size``), so ranks may hold different numbers
 of rows, or none. ``F.linear`` dequantises to the input's dtype, which is all a frozen
-QLoRA base weight needs; other ops are refused by name.
+QLoRA base weight needs; beyond it the weight supports what sharding and checkpoints use
+(``split`` / ``narrow`` on whole scaler blocks of rows, ``copy_``, ``.to(device)``, ``.to(dtype)``
+to dequantise, pickling) and refuses other ops by name.
 """
 
 from __future__ import annotations
@@ -68,10 +71,15 @@ def nf4_quantize(w: torch.Tensor, block: int = 64, scaler_block: int = 256, code
 
 
 def nf4_dequantize(codes, scalers, factors, mean, codebook, shape, dtype, block: int = 64, scaler_block: int = 256):
-    """The values of an NF4 weight in ``dtype`` (fp32 math, one cast at the end)."""
+    """The values of an NF4 weight in ``dtype``. The math runs in the dtype the factors are
+    stored in, then one cast to ``dtype``: fp32 for :meth:`NF4Weight.from_float`; for a weight
+    adopted from torchao, torchao's own dtype and order of operations (a bf16 ``NF4Tensor``
+    keeps bf16 factors, mean and codebook and dequantises in bf16), so the values are
+    torchao's ``get_original_weight()`` bit for bit (fp32 math on bf16 factors differs from
+    it in about 1 of 5 values, by up to one bf16 ulp)."""
     nb = scalers.numel()
     n_sb = factors.numel()
-    q = F.pad(scalers.float(), (0, n_sb * scaler_block - nb)).view(n_sb, scaler_block)
+    q = F.pad(scalers.to(factors.dtype), (0, n_sb * scaler_block - nb)).view(n_sb, scaler_block)
     absmax = ((q / factors[:, None]).reshape(-1)[:nb] + mean).repeat_interleave(block // 2)
     hi = codebook[(codes >> 4).long()] * absmax
     lo = codebook[(codes & 0xF).long()] * absmax
@@ -114,14 +122,20 @@ class NF4Weight(torch.Tensor):
 
     @classmethod
     def from_torchao(cls, t) -> "NF4Weight":
-        """Adopt a torchao ``NF4Tensor``'s codes, scalers and factors unchanged."""
+        """Adopt a torchao ``NF4Tensor``'s codes, scalers, factors, mean and codebook
+        unchanged, in their dtypes (so :meth:`dequantize` is torchao's, bit for bit)."""
         return cls(t.quantized_data, t.quantized_scalers, t.quantization_factor,
-                   t.scaler_mean.reshape(1).float(), t.nf4.float(), tuple(t.shape), t.dtype,
+                   t.scaler_mean.reshape(1), t.nf4, tuple(t.shape), t.dtype,
                    t.block_size, t.scaler_block_size)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return nf4_dequantize(self.codes, self.scalers, self.factors, self.mean, self.codebook,
                               self.shape, dtype or self.dtype, self.block, self.scaler_block)
+
+    def get_original_weight(self) -> torch.Tensor:
+        """``dequantize()`` under the name torchao's ``NF4Tensor`` gives it, so model code
+        written for torchao weights (adopted by ``fully_shard``) keeps working."""
+        return self.dequantize()
 
     @property
     def ragged_granularity(self) -> str:
@@ -151,21 +165,57 @@ class NF4Weight(torch.Tensor):
             at += rows
         return out
 
+    def copy_from(self, src: "NF4Weight") -> None:
+        """Copy ``src``'s codes, scalers, factors, mean and codebook into this weight's own
+        tensors (views into a shard's storage stay views: a load lands in the shard)."""
+        if not isinstance(src, NF4Weight):
+            raise TypeError(
+                f"NF4Weight.copy_: the source is a {type(src).__name__}, not an NF4Weight; copying plain "
+                "values would need re-quantising: build the weight with NF4Weight.from_float(values) instead"
+            )
+        if tuple(src.shape) != tuple(self.shape) or (src.block, src.scaler_block) != (self.block, self.scaler_block):
+            raise ValueError(
+                f"NF4Weight.copy_: source {tuple(src.shape)} in blocks of {src.block}/{src.scaler_block}, "
+                f"destination {tuple(self.shape)} in blocks of {self.block}/{self.scaler_block}"
+            )
+        for name in ("codes", "scalers", "factors", "mean", "codebook"):
+            getattr(self, name).copy_(getattr(src, name))
+
+    def to_device(self, device) -> "NF4Weight":
+        return NF4Weight(*(getattr(self, n).to(device) for n in ("codes", "scalers", "factors", "mean", "codebook")),
+                         tuple(self.shape), self.dtype, self.block, self.scaler_block)
+
+    # -- pickling (torch.save, DCP's files) -------------------------------------------
+    def __reduce_ex__(self, protocol):
+        # The inner tensors, each with only its own bytes: a shard's codes are views into the
+        # unsharded weight's storage, which torch.save would otherwise write whole. The rebuild
+        # function is on torch.load's weights_only allow-list (registered below).
+        own = [t if t.untyped_storage().nbytes() == t.nbytes else t.clone()
+               for t in (self.codes, self.scalers, self.factors, self.mean, self.codebook)]
+        return _rebuild_nf4, (*own, tuple(self.shape), self.dtype, self.block, self.scaler_block)
+
     # -- the FSDP2 all-gather protocol -----------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        return (self.codes, self.scalers, self.factors), (tuple(outer_size), self.mean, self.codebook,
-                                                          self.block, self.scaler_block)
+        # The mean and the codebook travel too, from the ranks that hold rows only (the others
+        # send none): a rank without rows has nothing a checkpoint load writes into, so its
+        # own copies may be stale, and the gathered weight must not depend on them.
+        held = self.numel() > 0
+        mean, codebook = (self.mean, self.codebook) if held else (self.mean[:0], self.codebook[:0])
+        return (self.codes, self.scalers, self.factors, mean, codebook), (tuple(outer_size), self.block,
+                                                                         self.scaler_block)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        codes, scalers, factors = all_gather_outputs
-        shape, mean, codebook, block, scaler_block = metadata
+        codes, scalers, factors, means, codebooks = all_gather_outputs
+        shape, block, scaler_block = metadata
         if out is not None:
             if not (out.codes.untyped_storage().data_ptr() == codes.untyped_storage().data_ptr()
                     and out.scalers.untyped_storage().data_ptr() == scalers.untyped_storage().data_ptr()):
                 raise RuntimeError("NF4Weight.fsdp_post_all_gather: out= must wrap the all-gather outputs")
             return None
-        full = NF4Weight(codes, scalers, factors, mean, codebook, shape, param_dtype, block, scaler_block)
-        return full, (codes, scalers, factors)
+        # every holder sent the same mean and codebook: the first holder's
+        n = codebooks.numel() // means.numel()
+        full = NF4Weight(codes, scalers, factors, means[:1], codebooks[:n], shape, param_dtype, block, scaler_block)
+        return full, (codes, scalers, factors, means, codebooks)
 
     # -- tensor-subclass plumbing ------------------------------------------------------
     def __tensor_flatten__(self):
@@ -184,6 +234,10 @@ class NF4Weight(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.data_ptr:
+            # a wrapper has no storage of its own (data_ptr 0 for every NF4Weight): its data is
+            # its codes, which is what "is this the same data" comparisons need
+            return args[0].codes.data_ptr()
         if func is F.linear:
             x, w = args[0], args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -201,8 +255,25 @@ class NF4Weight(torch.Tensor):
             return w._like(w.codes, w.scalers, w.factors, w.shape)
         if func is aten.clone.default:
             return w._like(w.codes.clone(), w.scalers.clone(), w.factors.clone(), w.shape)
-        if func is aten._to_copy.default and set(kwargs) <= {"dtype"}:
-            return w.dequantize(kwargs.get("dtype", w.dtype))
+        if func is aten._to_copy.default and set(kwargs) <= {"dtype", "device", "non_blocking"}:
+            # .to(dtype) dequantises (as torchao's NF4Tensor does); .to(device) moves the codes
+            if kwargs.get("dtype") is not None:
+                return w.dequantize(kwargs["dtype"]).to(kwargs.get("device") or w.device)
+            return w.to_device(kwargs.get("device") or w.device)
+        if func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            if isinstance(dst, NF4Weight):
+                dst.copy_from(src)
+            else:  # into a plain tensor (a plain model loading an NF4 checkpoint): the values
+                dst.copy_(src.dequantize(dst.dtype))
+            return dst
+        if func is aten.slice.Tensor and (len(args) < 2 or args[1] == 0) and (len(args) < 5 or args[4] == 1):
+            n = w.shape[0]
+            start = 0 if len(args) < 3 or args[2] is None else args[2]
+            end = n if len(args) < 4 or args[3] is None else args[3]
+            start, end = (min(max(v + n if v < 0 else v, 0), n) for v in (start, end))
+            end = max(end, start)
+            return w.split_rows([start, end - start, n - end])[1]
         if func is aten.split_with_sizes.default and (len(args) < 3 or args[2] == 0):
             return w.split_rows(list(args[1]))
         if func is aten.split.Tensor and (len(args) < 3 or args[2] == 0):
@@ -214,4 +285,12 @@ class NF4Weight(torch.Tensor):
             f"NF4Weight does not implement {func}: it is a frozen weight for F.linear; call "
             f".dequantize() for its values"
         )
+
+
+def _rebuild_nf4(codes, scalers, factors, mean, codebook, shape, dtype, block, scaler_block) -> NF4Weight:
+    return NF4Weight(codes, scalers, factors, mean, codebook, shape, dtype, block, scaler_block)
+
+
+# DCP loads with torch.load(weights_only=True), which refuses any callable not allow-listed
+torch.serialization.add_safe_globals([_rebuild_nf4])
 

@@ -1,0 +1,108 @@
+"""The reduce-scatter of :class:`~ragged_fsdp.quant.grad_wire.GradientReduce`: low-precision
+pieces on the wire, the sum in the reduce dtype (fp32) on the segment's owner.
+
+Each rank quantises its whole unsharded gradient block by block (the blocks of
+:func:`~ragged_fsdp.quant.grad_wire.wire_blocks`, none shared by two segments), sends every
+other rank the codes of that rank's segment with their scales in two ``all_to_all_single``
+(equal splits for the codes, uneven for the scales: segments hold different numbers of
+blocks), and dequantises and sums the ``W`` pieces of its own segment in rank order. NCCL
+would sum a bf16 or int8 reduce-scatter in that dtype; this sums in fp32 whatever the wire.
+
+Error feedback keeps, per rank, what quantisation dropped from the pieces it sent (a
+persistent buffer of the unsharded gradient's size, in the reduce dtype) and adds it to the
+next reduction's gradient first.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ragged_fsdp.quant.grad_wire import GradientReduce, WireBlocks, dequantize, quantize, sum_pieces, wire_blocks
+
+from .collectives import Comm, _Both, _land
+from .device import Device, Pending
+
+__all__ = ["WireState", "wire_reduce_scatter", "check_wire_reduce_dtype"]
+
+
+class WireState:
+    """What one DBuffer keeps for its wire reductions: the blocks of its layout (pure, made
+    once) and the error-feedback residual."""
+
+    def __init__(self, layout, fmt: GradientReduce):
+        self.fmt = fmt
+        self.blocks: WireBlocks = wire_blocks(layout)
+        self.mine = self.blocks.of_segment(layout.rank)
+        self.residual: torch.Tensor | None = None
+
+    def residual_for(self, grad: torch.Tensor) -> torch.Tensor | None:
+        if not self.fmt.error_feedback:
+            return None
+        if self.residual is None or self.residual.numel() != grad.numel():
+            self.residual = torch.zeros_like(grad)
+        return self.residual
+
+
+def _as_wire(t: torch.Tensor) -> torch.Tensor:
+    # gloo has no fp8 dtype: its bytes travel as uint8 (a view, no copy)
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                        divide_factor: float | None, state: WireState,
+                        lane: str = "reduce_scatter") -> Pending:
+    """``target (+)= sum over ranks of dequant(quant(grad piece)) / factor`` for this rank's
+    segment (``factor``: ``divide_factor`` or the world size)."""
+    W, r, S = comm.world_size, comm.rank, target.numel()
+    fmt, blocks = state.fmt, state.blocks
+    factor = float(divide_factor or W)
+    residual = state.residual_for(grad)
+    x = grad if residual is None else grad + residual
+    codes, scale = quantize(x, blocks.lengths, fmt)
+    if residual is not None:  # what this step's wire dropped comes back next step
+        torch.sub(x, dequantize(codes, scale, blocks.lengths, x.dtype, fmt), out=residual)
+    del x
+    recv_codes = torch.empty_like(codes)
+    n_mine = blocks.per_segment[r]
+    recv_scale = None if scale is None else torch.empty(W * n_mine, dtype=scale.dtype, device=scale.device)
+
+    def issue(async_op: bool):
+        if W == 1:
+            recv_codes.copy_(codes)
+            if scale is not None:
+                recv_scale.copy_(scale)
+            return None
+        w1 = dist.all_to_all_single(_as_wire(recv_codes), _as_wire(codes), group=comm.group, async_op=async_op)
+        w2 = None
+        if scale is not None:
+            w2 = dist.all_to_all_single(recv_scale, scale, output_split_sizes=[n_mine] * W,
+                                        input_split_sizes=list(blocks.per_segment), group=comm.group,
+                                        async_op=async_op)
+        return _Both(w1, w2)
+
+    def post():
+        pieces = recv_codes.view(W, S)
+        if scale is None:
+            deq = pieces.to(grad.dtype)
+        else:
+            lengths = state.mine.repeat(W)
+            deq = dequantize(pieces.reshape(-1), recv_scale, lengths, grad.dtype, fmt).view(W, S)
+        _land(sum_pieces(deq), target, accumulate, factor, scratch=True)
+
+    keep = (grad, codes, recv_codes, target) + (() if scale is None else (scale, recv_scale))
+    return device.launch(lane, issue, post=post, keep=keep, out=(recv_codes, target))
+
+
+def check_wire_reduce_dtype(group, fmt: GradientReduce) -> None:
+    """The wire format's sum runs in the reduce dtype, which it needs to be fp32 (a bf16 sum
+    of bf16 pieces is what the plain reduce-scatter already does)."""
+    if not isinstance(fmt, GradientReduce):
+        raise TypeError(f"fully_shard: gradient_reduce must be a ragged_fsdp.GradientReduce or None, got "
+                        f"{type(fmt).__name__}")
+    for u in group.units:
+        dtype = u.buf.reduce_dtype
+        if u.trainable and dtype.is_floating_point and dtype != torch.float32:
+            raise ValueError(
+                f"fully_shard: gradient_reduce=GradientReduce(wire_dtype={fmt.wire_dtype}) sums in the reduce dtype, "
+                f"which is {dtype} for {group._describe()}; pass mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, ...)")

@@ -1,0 +1,201 @@
+"""Gradients on the wire in fewer bytes, summed in fp32: the block math (pure, no process group).
+
+A DBuffer's unsharded gradient (``W*S`` elements in the reduce dtype) is cut into blocks:
+each tensor's granularity units (the planner's blocks, whole inside one rank's segment by
+construction), merged into runs of at least :data:`MIN_BLOCK` elements when the units are
+small (a bias or a norm weight has one-element units), and the padding between tensors as
+blocks of its own. The blocks tile ``[0, W*S)`` in order, and every segment boundary is a
+block boundary, so the blocks of segment ``k`` are a contiguous run of the list: they travel
+to rank ``k`` with their codes and scales together, and no block has two owners.
+
+Formats (:class:`GradientReduce`'s ``wire_dtype``):
+
+* ``torch.bfloat16``: every element rounded to bf16; no scales;
+* ``torch.int8``: ``code = round(x / scale)`` with ``scale = absmax(block) / 127``;
+* ``torch.float8_e4m3fn``: ``code = fp8(x / scale)`` with ``scale = absmax(block) / 448``.
+
+One fp32 scale per block. The receiver dequantises every rank's piece of its segment in the
+reduce dtype and sums them in rank order (:func:`sum_pieces`), so the sum is fp32 whatever the
+wire carried. The same functions run in the engine and in a single-process reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GradientReduce", "WireBlocks", "wire_blocks", "quantize", "dequantize", "sum_pieces",
+           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "MIN_BLOCK"]
+
+WIRE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+MIN_BLOCK = 128  # small units are merged until a block has this many elements (scale overhead <= 1/32)
+
+
+@dataclass(frozen=True)
+class GradientReduce:
+    """How ``fully_shard`` sends gradients to their owners: ``wire_dtype`` on the wire, the
+    sum in ``MixedPrecisionPolicy.reduce_dtype`` (which must then be fp32) on the rank that
+    owns the segment. ``error_feedback``: keep what the quantisation dropped and add it to the
+    next step's gradient before quantising again (one persistent fp32 buffer of the unsharded
+    gradient's size per DBuffer)."""
+
+    wire_dtype: torch.dtype = torch.bfloat16
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        if self.wire_dtype not in WIRE_DTYPES:
+            names = ", ".join(str(d) for d in WIRE_DTYPES)
+            raise ValueError(f"GradientReduce: wire_dtype={self.wire_dtype!r}; choose one of {names}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"GradientReduce: error_feedback must be a bool, got {self.error_feedback!r}")
+
+    @property
+    def scaled(self) -> bool:
+        return self.wire_dtype in _QMAX
+
+
+@dataclass(frozen=True)
+class WireBlocks:
+    """The blocks of one DBuffer: ``lengths`` (int64, tiling ``[0, W*S)``) and, per segment,
+    how many of them it holds (``per_segment[k]``, a contiguous run starting at
+    ``starts[k]``)."""
+
+    world_size: int
+    segment: int
+    lengths: torch.Tensor
+    per_segment: tuple[int, ...]
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        out, n = [], 0
+        for c in self.per_segment:
+            out.append(n)
+            n += c
+        return tuple(out)
+
+    def of_segment(self, k: int) -> torch.Tensor:
+        return self.lengths[self.starts[k]:self.starts[k] + self.per_segment[k]]
+
+
+def _unit_elements(slot) -> int:
+    """Elements per granularity unit of a layout slot (its RaggedShard's unit)."""
+    pl, shape = slot.placement, slot.shape
+    k = len(pl.dims)
+    if k == 0:
+        return max(1, slot.numel)
+    inner = 1
+    for d in shape[k:]:
+        inner *= d
+    return max(1, pl.unit * inner)
+
+
+def wire_blocks(layout) -> WireBlocks:
+    """The blocks of a ``BufferLayout`` (any rank's: the plan is the same on every rank)."""
+    W, S = layout.world_size, layout.segment
+    lengths: list[int] = []
+    per = [0] * W
+
+    def add(start: int, n: int) -> None:
+        # a run inside one segment, as one block (callers never cross a boundary)
+        lengths.append(n)
+        per[start // S] += 1
+
+    def gap(a: int, b: int) -> None:
+        while a < b:  # padding, cut at segment boundaries
+            e = min(b, (a // S + 1) * S)
+            add(a, e - a)
+            a = e
+
+    pos = 0
+    for slot in sorted(layout.slots, key=lambda s: s.offset):
+        gap(pos, slot.offset)
+        g, n = _unit_elements(slot), slot.numel
+        merge = max(1, -(-MIN_BLOCK // g))  # units per block
+        a, end = slot.offset, slot.offset + n
+        while a < end:
+            seg_end = min(end, (a // S + 1) * S)  # units never straddle this (the planner's rule)
+            run = seg_end - a
+            step = g * merge
+            full = run // step
+            lengths.extend([step] * full)
+            per[a // S] += full
+            if run - full * step:
+                add(a, run - full * step)
+            a = seg_end
+        pos = end
+    gap(pos, W * S)
+    return WireBlocks(W, S, torch.tensor(lengths, dtype=torch.int64), tuple(per))
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def quantize(x: torch.Tensor, lengths: torch.Tensor, fmt: GradientReduce) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (1-D, covered by the blocks ``lengths``) as wire codes (and one fp32 scale per
+    block for the scaled formats)."""
+    if not fmt.scaled:
+        return x.to(fmt.wire_dtype), None
+    amax = torch.segment_reduce(x.abs().float(), "max", lengths=lengths, unsafe=True).clamp_min_(0.0)
+    scale = amax / _QMAX[fmt.wire_dtype]
+    y = x.float() / torch.repeat_interleave(_safe(scale), lengths, output_size=x.numel())
+    if fmt.wire_dtype is torch.int8:
+        codes = y.round_().clamp_(-127, 127).to(torch.int8)
+    else:
+        codes = y.to(fmt.wire_dtype)
+    return codes, scale
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor | None, lengths: torch.Tensor, dtype: torch.dtype,
+               fmt: GradientReduce) -> torch.Tensor:
+    """Codes of the blocks ``lengths`` back to ``dtype`` (the reduce dtype)."""
+    if not fmt.scaled:
+        return codes.to(dtype)
+    return codes.to(dtype) * torch.repeat_interleave(scale, lengths, output_size=codes.numel()).to(dtype)
+
+
+def sum_pieces(pieces: torch.Tensor) -> torch.Tensor:
+    """The sum of the dequantised pieces, ``(W, S)`` in rank order, in their dtype: the one
+    op the engine and a reference both call, so the same inputs give the same bits."""
+    return pieces.sum(dim=0)
+
+
+def wire_bytes(blocks: WireBlocks, fmt: GradientReduce, rank: int) -> tuple[int, int]:
+    """Bytes this rank sends and receives in one reduction (codes plus scales, the pieces
+    of other ranks only)."""
+    W, S = blocks.world_size, blocks.segment
+    item = torch.empty((), dtype=fmt.wire_dtype).element_size()
+    codes = (W - 1) * S * item
+    if not fmt.scaled:
+        return codes, codes
+    sent = 4 * (int(blocks.lengths.numel()) - blocks.per_segment[rank])
+    received = 4 * (W - 1) * blocks.per_segment[rank]
+    return codes + sent, codes + received
+
+
+def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, rank: int,
+                     divide_factor: float | None = None, residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """What rank ``rank``'s segment gets when the ranks' unsharded gradients are ``grads``,
+    computed in one process with the same block math (the tests' reference; ``residuals``:
+    each rank's error-feedback buffer, updated in place)."""
+    blocks = wire_blocks(layout)
+    W, S = blocks.world_size, blocks.segment
+    mine = blocks.of_segment(rank)
+    pieces = []
+    for k, g in enumerate(grads):
+        x = g if residuals is None else g + residuals[k]
+        codes, scale = quantize(x, blocks.lengths, fmt)
+        if residuals is not None:
+            torch.sub(x, dequantize(codes, scale, blocks.lengths, x.dtype, fmt), out=residuals[k])
+        c = codes[rank * S:(rank + 1) * S]
+        sc = None if scale is None else scale[blocks.starts[rank]:blocks.starts[rank] + blocks.per_segment[rank]]
+        pieces.append((c, sc))
+    if pieces[0][1] is None:
+        deq = torch.stack([c for c, _ in pieces]).to(grads[0].dtype)
+    else:
+        deq = dequantize(torch.cat([c for c, _ in pieces]), torch.cat([s for _, s in pieces]), mine.repeat(W),
+                         grads[0].dtype, fmt).view(W, S)
+    # the divide as the engine lands it (one multiply by 1/factor, not a division)
+    return sum_pieces(deq).mul_(1.0 / float(divide_factor or W))

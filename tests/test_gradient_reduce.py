@@ -1,0 +1,257 @@
+"""fully_shard(gradient_reduce=GradientReduce(...)): gradients sent in bf16, or as int8 / fp8
+e4m3 codes with one fp32 scale per block, and summed in fp32 on the segment's owner.
+
+* The blocks (pure): they tile the buffer, every segment boundary is a block boundary, no
+  block has elements of two tensors, and a block inside a tensor is whole units of its
+  granularity: checked from planned layouts with odd shapes at W = 1..5.
+* The collective, bitwise: every rank's segment equals a single-process reference that
+  quantises each rank's buffer the same way, dequantises and sums the pieces in rank order
+  (``quant.grad_wire.reference_reduce``), on groups of 1, 2, 3 and 4 ranks, every format,
+  with error feedback over three steps.
+* The engine, bitwise: one backward of an MLP with odd shapes equals the reference applied
+  to each rank's own gradient (a plain replica on that rank's rows); also with
+  ``no_sync`` accumulation, a divide factor, accumulation into existing grads and an
+  identity all-reduce hook, on a 1-D mesh (W=4) and an HSDP (2, 2) mesh.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from _dist import check_case, run_cases
+
+from ragged_fsdp import GradientReduce
+from ragged_fsdp.dbuffer.planning import plan_layout
+from ragged_fsdp.quant.grad_wire import reference_reduce, wire_blocks
+
+FORMATS = [GradientReduce(torch.bfloat16), GradientReduce(torch.int8), GradientReduce(torch.float8_e4m3fn)]
+SHAPES = [("w1", (37, 24), "rows:3"), ("b1", (37,), None), ("w2", (5, 37), None), ("e", (3, 7, 11), "rows:7"),
+          ("w3", (64, 64), None), ("b3", (1,), None)]
+
+
+def _layout(world, rank, shapes=SHAPES):
+    from ragged_fsdp.dbuffer.planning import parse_granularity
+
+    tensors = [(k, s, parse_granularity(g) if g else None) for k, s, g in shapes]
+    return plan_layout(tensors, world, rank, itemsize=4)
+
+
+# -- the blocks (no process group) ---------------------------------------------------------
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_blocks_tile_the_buffer_and_never_cross_a_segment(world):
+    lay = _layout(world, 0)
+    blocks = wire_blocks(lay)
+    S = lay.segment
+    ends = torch.cumsum(blocks.lengths, 0).tolist()
+    starts = [0] + ends[:-1]
+    assert ends[-1] == world * S and all(n > 0 for n in blocks.lengths.tolist())
+    assert sum(blocks.per_segment) == len(ends)
+    for k, first in enumerate(blocks.starts):  # segment k's blocks are a run starting at its boundary
+        assert starts[first] == k * S if blocks.per_segment[k] else True
+    for a, b in zip(starts, ends):
+        assert a // S == (b - 1) // S, f"block [{a}, {b}) crosses a segment boundary (S={S})"
+    for s in lay.slots:  # a block is inside one tensor or inside padding, and starts on a unit
+        lo, hi = s.offset, s.offset + s.numel
+        k = len(s.placement.dims)
+        unit = s.numel if k == 0 else s.placement.unit * (s.numel // _entries(s))
+        for a, b in zip(starts, ends):
+            if a < hi and b > lo:
+                assert lo <= a and b <= hi, f"{s.key}: block [{a}, {b}) spills out of [{lo}, {hi})"
+                assert (a - lo) % unit == 0, f"{s.key}: block starts inside a unit ({unit} elements)"
+
+
+def _entries(slot):
+    k = len(slot.placement.dims)
+    n = 1
+    for d in slot.shape[:k]:
+        n *= d
+    return n
+
+
+def test_refuses_other_dtypes():
+    with pytest.raises(ValueError, match="wire_dtype=torch.float16"):
+        GradientReduce(torch.float16)
+
+
+# -- the collective, bitwise ---------------------------------------------------------------
+
+def _rank_grad(k, n, step=0):
+    g = torch.Generator().manual_seed(1000 * step + k)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)[torch.randperm(n, generator=g)]
+    return x
+
+
+def case_collective_matches_reference(rank, world):
+    from ragged_fsdp.comm import Comm
+    from ragged_fsdp.fsdp.device import Device
+    from ragged_fsdp.fsdp.wire_reduce import WireState, wire_reduce_scatter
+
+    failed = []
+    for size in (1, 2, 3, 4):
+        ranks = list(range(size))
+        group = dist.new_group(ranks)
+        if rank not in ranks:
+            continue
+        comm = Comm.of(group)
+        lay = _layout(size, comm.rank)
+        for fmt in FORMATS + [GradientReduce(torch.int8, error_feedback=True)]:
+            state = WireState(lay, fmt)
+            residuals = [torch.zeros(lay.total) for _ in ranks] if fmt.error_feedback else None
+            for step in range(3 if fmt.error_feedback else 1):
+                grads = [_rank_grad(k, lay.total, step) for k in ranks]
+                got = torch.empty(lay.segment)
+                wire_reduce_scatter(Device(torch.device("cpu")), comm, grads[comm.rank].clone(), got, False, None,
+                                    state).wait()
+                want = reference_reduce(grads, lay, fmt, comm.rank, residuals=residuals)
+                if not torch.equal(got, want):
+                    failed.append(f"W={size} {fmt} step {step}: {(got != want).sum().item()} of {got.numel()} "
+                                  "elements differ from the reference")
+                mine = [g.narrow(0, comm.rank * lay.segment, lay.segment) for g in grads]
+                exact = sum(mine[1:], mine[0].clone()) / size
+                bound = sum(m.abs() for m in mine) / size * 2.0 ** -8  # one bf16 rounding per piece
+                if fmt.wire_dtype is torch.bfloat16 and not ((got - exact).abs() <= bound).all():
+                    failed.append(f"W={size}: the bf16-wire mean is further than the pieces' rounding from fp32's")
+    # every rank takes part in every new_group before raising (a rank that raised early
+    # would leave the others in the next group's creation)
+    assert not failed, "\n".join(failed)
+
+
+# -- the engine, bitwise --------------------------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(24, 37)
+        self.b = nn.Linear(37, 5)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _rows(dp_rank, micro=0):
+    g = torch.Generator().manual_seed(50 + 10 * micro + dp_rank)
+    return torch.randn(3, 24, generator=g), torch.randn(3, 5, generator=g)
+
+
+def _local_grads(model_state, dp_rank, micros=(0,)):
+    """This data-parallel rank's own gradient (sum over its micro-batches), on a plain replica."""
+    torch.manual_seed(0)
+    m = MLP()
+    m.load_state_dict(model_state)
+    for mb in micros:
+        x, y = _rows(dp_rank, mb)
+        nn.functional.mse_loss(m(x), y).backward()
+    return {n: p.grad for n, p in m.named_parameters()}
+
+
+def _buffer_of(layout, grads_by_key):
+    full = torch.zeros(layout.total)
+    for s in layout.slots:
+        full[s.offset:s.offset + s.numel] = grads_by_key[s.key].reshape(-1)
+    return full
+
+
+def _engine_case(rank, world, hsdp, fmt, *, no_sync=False, divide=None, hook=False, accumulate=False):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp.fsdp import fully_shard
+
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    plain = MLP()
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    m = MLP()
+    m.load_state_dict(state)
+    fully_shard(m, mesh=mesh, gradient_reduce=fmt)
+    if divide is not None:
+        m.set_gradient_divide_factor(divide)
+    seen = []
+    if hook:
+        m.set_all_reduce_hook(lambda t: seen.append(t.dtype))
+    micros = (0, 1) if (no_sync or accumulate) else (0,)
+    for i, mb in enumerate(micros):
+        if no_sync:
+            m.set_requires_gradient_sync(i == len(micros) - 1)
+        x, y = _rows(rank, mb)
+        nn.functional.mse_loss(m(x), y).backward()
+    buf = m.dbuffers[0]
+    lay = buf.layout
+    keys = {s.key: s.key for s in lay.slots}
+    per_rank = [_local_grads(state, k, micros if no_sync else (0,)) for k in range(world)]
+    shard = mesh["shard"] if hsdp else mesh
+    sr, sw = shard.get_local_rank(), shard.size()
+    if hsdp:  # each replica's shard group reduces its own two ranks, then fp32 sum over replicas / 4
+        rep = mesh["replicate"].get_local_rank()
+        parts = []
+        for r in range(2):
+            members = [r * sw + j for j in range(sw)]
+            bufs = [_buffer_of(lay, {s.key: per_rank[k][s.key] for s in lay.slots}) for k in members]
+            parts.append(reference_reduce(bufs, lay, fmt, sr, divide_factor=1.0))
+        want = parts[0].clone()
+        want += parts[1]
+        want.mul_(1.0 / float(divide or world))
+        del rep
+    else:
+        bufs = [_buffer_of(lay, {s.key: per_rank[k][s.key] for s in lay.slots}) for k in range(world)]
+        want = reference_reduce(bufs, lay, fmt, sr, divide_factor=divide)
+    if accumulate:  # the second micro-batch was a second step's backward without zero_grad
+        per_rank2 = [_local_grads(state, k, (1,)) for k in range(world)]
+        bufs2 = [_buffer_of(lay, {s.key: per_rank2[k][s.key] for s in lay.slots}) for k in range(world)]
+        first = want
+        want = first.clone()
+        want.add_(reference_reduce(bufs2, lay, fmt, sr, divide_factor=divide))
+    named = dict(m.named_parameters())
+    for s in lay.slots:
+        name = keys[s.key]
+        got = named[name].grad._local_tensor.reshape(-1)
+        w = want[s.local_offset:s.local_offset + s.local_numel]
+        assert torch.equal(got, w), f"{fmt} {name}: {(got != w).sum().item()} of {w.numel()} elements differ"
+    if hook:
+        assert seen and all(d == torch.float32 for d in seen)
+
+
+def case_engine_fsdp(rank, world):
+    for fmt in FORMATS:
+        _engine_case(rank, world, False, fmt)
+    fmt = GradientReduce(torch.int8)
+    _engine_case(rank, world, False, fmt, no_sync=True)
+    _engine_case(rank, world, False, fmt, divide=2.0)
+    _engine_case(rank, world, False, fmt, hook=True)
+    _engine_case(rank, world, False, fmt, accumulate=True)
+
+
+def case_engine_hsdp(rank, world):
+    for fmt in FORMATS:
+        _engine_case(rank, world, True, fmt)
+
+
+def case_refuses_bf16_reduce_dtype(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp.fsdp import fully_shard
+
+    m = MLP().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype=torch.float32"):
+        fully_shard(m, mesh=init_device_mesh("cpu", (world,)), gradient_reduce=GradientReduce(torch.int8),
+                    mp_policy=MixedPrecisionPolicy())
+
+
+CASES = [case_collective_matches_reference, case_engine_fsdp, case_engine_hsdp, case_refuses_bf16_reduce_dtype]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(4, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+def test_gradient_reduce_w4(results, case):
+    check_case(results, case, 4)
