@@ -112,7 +112,12 @@ def _find_latest(root: str, missing_ok: bool) -> Checkpoint | None:
             f"load_latest: {root} is a checkpoint directory itself, not a root of step-<n> "
             "checkpoints; load it with ragged_fsdp.checkpoint.load(state, path)"
         )
-    published, bad = scan(root)
+    for _ in range(_ATTEMPTS):
+        published, bad = scan(root)
+        # a concurrent save can publish step n+1 just after the directory was listed and
+        # retire step n before it was looked at: nothing seen published, an entry gone. List again.
+        if published or all(os.path.lexists(p) for _, p, _ in bad):
+            break
     found = published[-1] if published else None
     skipped = [(p, why) for n, p, why in bad if found is None or n > found.step]
     if found is None and not missing_ok:
