@@ -77,7 +77,9 @@ class RaggedUnits:
     __str__ = __repr__
 
     def __reduce__(self):
-        return (type(self), self._key())
+        # plain ints on disk (RunCounts is an in-memory form): torch.load(weights_only=True)
+        # rebuilds a placement only from types it allows
+        return (type(self), (self.dims, tuple(int(n) for n in self.local_units), self.unit))
 
     # -- pure layout math --------------------------------------------------------------
     @property

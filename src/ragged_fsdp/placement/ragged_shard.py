@@ -42,7 +42,9 @@ class RaggedShard(RaggedUnits, Placement):
     __hash__ = RaggedUnits.__hash__
 
     def __reduce__(self):
-        return (RaggedShard, self._key())
+        # plain ints on disk (RunCounts is an in-memory form): torch.load(weights_only=True)
+        # rebuilds a placement only from types it allows
+        return (RaggedShard, (self.dims, tuple(int(n) for n in self.local_units), self.unit))
 
     def __fx_repr__(self):  # torch asks placements for this when printing graphs
         return repr(self), {"RaggedShard": RaggedShard}
