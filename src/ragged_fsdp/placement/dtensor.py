@@ -51,6 +51,12 @@ class RaggedDTensor(DTensor):
 
     # DTensor.__new__ is the C++ constructor; it accepts any Placement object.
     __new__ = DTensor.__new__
+
+    def __init__(self, *args, **kwargs):
+        # DTensor's __init__ only calls Tensor's (which does nothing) from behind two
+        # decorators (dynamo off, export marking) that cost more than an elementwise op on
+        # a small parameter; every out-of-place op on a RaggedDTensor builds one of these.
+        pass
     # __torch_dispatch__, full_tensor, redistribute and the DCP hooks are bound in
     # binding.py: they are ops.py, redistribute.py and dcp.py, which build on this class.
 

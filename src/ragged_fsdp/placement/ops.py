@@ -73,30 +73,58 @@ def _is_local_op(func) -> bool:
 
 
 def dispatch(func, args, kwargs):
+    # An op's kind never changes, so it is worked out once per op overload: the optimizer
+    # and clipping code that runs on every parameter every step then pays one dict lookup.
+    handler = _HANDLERS.get(func)
+    if handler is None:
+        handler = _HANDLERS[func] = _handler_for(func)
+    return handler(func, args, kwargs)
+
+
+def _handler_for(func):
     if func in _RANDOM_OPS:
-        return _random(func, args, kwargs)
+        return _random
     if func in _REDUCTIONS:
-        return _reduce(func, args, kwargs)
+        return _reduce
     if func in _FOREACH_NORM:
-        return _foreach_norm(args, kwargs)
-    if func is aten.copy_.default and not isinstance(args[1], RaggedDTensor):
-        return _copy_from_full(args[0], args[1])
+        return lambda func, args, kwargs: _foreach_norm(args, kwargs)
+    if func is aten.copy_.default:
+        return _copy
     if func in _NEW_OPS:
         # new_* take an explicit size, so the result is an ordinary tensor, not a layout.
-        return func(args[0]._local_tensor, *args[1:], **kwargs)
+        return lambda func, args, kwargs: func(args[0]._local_tensor, *args[1:], **kwargs)
     if func in _BOOL_OPS:
-        return _bool_op(func, args, kwargs)
-    if func in _VIEW_OPS and _same_shape(args):
-        return _identity_view(func, args[0])
+        return _bool_op
+    if func in _VIEW_OPS:
+        return _view
     if func is _AMP_UNSCALE:
-        return _amp_unscale(args, kwargs)
+        return lambda func, args, kwargs: _amp_unscale(args, kwargs)
     if _is_local_op(func):
-        return _local(func, args, kwargs)
+        return _local
+    return _unsupported
+
+
+_HANDLERS: dict = {}
+
+
+def _unsupported(func, args, kwargs):
     raise NotImplementedError(
         f"ragged_fsdp: {func} is not supported on RaggedShard DTensors. Call .full_tensor() "
         "to work on the whole tensor, or .redistribute(mesh, [Replicate()]) / "
         "[Shard(0)] to move to a layout torch's DTensor supports." + _mixed_hint(args, kwargs)
     )
+
+
+def _copy(func, args, kwargs):
+    if not isinstance(args[1], RaggedDTensor):
+        return _copy_from_full(args[0], args[1])
+    return _local(func, args, kwargs)
+
+
+def _view(func, args, kwargs):
+    if _same_shape(args):
+        return _identity_view(func, args[0])
+    return _unsupported(func, args, kwargs)
 
 
 def _mixed_hint(args, kwargs) -> str:
@@ -153,7 +181,7 @@ def _unwrap_arg(func, x):
     return x
 
 
-def _check_plain(func, x, shape):
+def _check_plain(func, x):
     if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.dim() > 0 and x.numel() > 1:
         raise ValueError(
             f"ragged_fsdp: {func} mixes a RaggedShard DTensor with a plain tensor of shape "
@@ -162,46 +190,102 @@ def _check_plain(func, x, shape):
         )
 
 
-def _positions(args, kwargs):
-    """Ragged specs grouped by list position: foreach ops pair the i-th tensor of each list."""
-    by_pos: dict[int, list] = {}
-    flat, _ = tree_flatten((args, kwargs))
-    lists = [a for a in list(args) + list(kwargs.values()) if isinstance(a, (list, tuple))]
-    if lists:
-        for lst in lists:
-            for i, x in enumerate(lst):
-                if isinstance(x, RaggedDTensor):
-                    by_pos.setdefault(i, []).append(x)
-    for x in list(args) + list(kwargs.values()):
-        if isinstance(x, RaggedDTensor):
-            by_pos.setdefault(-1, []).append(x)
-    return by_pos, flat
+_SCALARS = (float, int, bool, type(None))
+
+
+class _Nested(Exception):
+    """An argument nested deeper than one list: the generic (pytree) path handles it."""
+
+
+def _note(func, specs: dict, pos: int, spec) -> None:
+    """Record the spec at list position ``pos`` (-1: a top-level argument); foreach ops pair
+    the i-th tensor of each list, so those must share one layout."""
+    first = specs.get(pos)
+    if first is None:
+        specs[pos] = spec
+    elif first is not spec:
+        why = spec_mismatch(first, spec)
+        if why is not None:
+            raise ValueError(
+                f"ragged_fsdp: {func} on RaggedShard DTensors whose {why}; redistribute one "
+                "so both have the same mesh, shape and RaggedShard layout"
+            )
+
+
+def _leaf(func, x, specs: dict, pos: int):
+    if isinstance(x, RaggedDTensor):
+        _note(func, specs, pos, x._spec)
+        return x._local_tensor
+    if isinstance(x, torch.Tensor):
+        _check_plain(func, x)
+        return _unwrap_arg(func, x)
+    if isinstance(x, (list, tuple, dict)):
+        raise _Nested
+    return x
+
+
+def _top(func, x, specs: dict):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_leaf(func, item, specs, i) for i, item in enumerate(x))
+    return _leaf(func, x, specs, -1)
 
 
 def _local(func, args, kwargs):
-    by_pos, flat = _positions(args, kwargs)
-    for group in by_pos.values():
-        for x in group[1:]:
-            why = spec_mismatch(group[0]._spec, x._spec)
-            if why is not None:
-                raise ValueError(
-                    f"ragged_fsdp: {func} on RaggedShard DTensors whose {why}; redistribute one "
-                    "so both have the same mesh, shape and RaggedShard layout"
-                )
-    ref = next(x for x in flat if isinstance(x, RaggedDTensor))
+    """The op on the local tensors. One pass over the arguments (lists one level deep, as
+    aten's schemas have them) unwraps, checks layouts and checks plain tensors together."""
+    specs: dict = {}
+    local_args = []
+    try:
+        for a in args:
+            kind = type(a)
+            if kind is RaggedDTensor:  # the common cases first, without the general walk
+                if specs.get(-1) is not a._spec:
+                    _note(func, specs, -1, a._spec)
+                local_args.append(a._local_tensor)
+            elif kind in _SCALARS:
+                local_args.append(a)
+            else:
+                local_args.append(_top(func, a, specs))
+        local_kwargs = {k: _top(func, v, specs) for k, v in kwargs.items()} if kwargs else {}
+    except _Nested:
+        return _local_nested(func, args, kwargs)
+    out = func(*local_args, **local_kwargs)
+    return _rewrap(func, out, args, kwargs, specs)
+
+
+def _local_nested(func, args, kwargs):
+    specs: dict = {}
+    flat, _ = tree_flatten((args, kwargs))
     for x in flat:
-        _check_plain(func, x, ref.shape)
+        if isinstance(x, RaggedDTensor):
+            _note(func, specs, -1, x._spec)
+        else:
+            _check_plain(func, x)
     out = func(*tree_map(lambda x: _unwrap_arg(func, x), args),
                **tree_map(lambda x: _unwrap_arg(func, x), kwargs))
-    return _rewrap(func, out, args, kwargs, by_pos)
+    return _rewrap(func, out, args, kwargs, specs)
 
 
-def _rewrap(func, out, args, kwargs, by_pos):
-    schema = func._schema
-    if not schema.returns:  # void in-place ops (_foreach_add_, _fused_adamw_)
+# what an op's schema says of its result: "void", "inplace", or "new"
+_RETURNS: dict = {}
+
+
+def _returns(func) -> str:
+    kind = _RETURNS.get(func)
+    if kind is None:
+        schema = func._schema
+        alias = schema.returns[0].alias_info if len(schema.returns) == 1 else None
+        kind = ("void" if not schema.returns else
+                "inplace" if alias is not None and alias.is_write else "new")
+        _RETURNS[func] = kind
+    return kind
+
+
+def _rewrap(func, out, args, kwargs, specs):
+    kind = _returns(func)
+    if kind == "void":  # void in-place ops (_foreach_add_, _fused_adamw_)
         return None
-    alias = schema.returns[0].alias_info if len(schema.returns) == 1 else None
-    if alias is not None and alias.is_write:
+    if kind == "inplace":
         # In-place: hand back the mutated input object, as torch does. (A non-writing
         # alias such as detach must be a new tensor, or detaching would flip the
         # parameter's own requires_grad.)
@@ -209,13 +293,22 @@ def _rewrap(func, out, args, kwargs, by_pos):
     if isinstance(out, (list, tuple)):
         foreach = func.__name__.startswith("_foreach_")
         return type(out)(
-            wrap(o, (by_pos.get(i) if foreach else by_pos[-1])[0]._spec)
-            if isinstance(o, torch.Tensor) else o
+            wrap(o, _spec_at(func, specs, i if foreach else -1)) if isinstance(o, torch.Tensor) else o
             for i, o in enumerate(out)
         )
     if isinstance(out, torch.Tensor):
-        return wrap(out, by_pos[-1][0]._spec)
+        return wrap(out, _spec_at(func, specs, -1))
     return out
+
+
+def _spec_at(func, specs: dict, pos: int):
+    spec = specs.get(pos)
+    if spec is None:
+        raise ValueError(
+            f"ragged_fsdp: {func} returns a tensor at a position where no RaggedShard DTensor "
+            "went in, so its layout is unknown; pass RaggedShard DTensors at every position"
+        )
+    return spec
 
 
 def _bool_op(func, args, kwargs):
