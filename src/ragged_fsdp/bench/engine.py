@@ -45,7 +45,7 @@ from .meta import run_meta
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
 MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
 COUNTED = ("ragged_fsdp", "fsdp2")  # frameworks whose collectives are counted (Python calls)
-WORKLOADS = ("dense", "moe", "dense-1024")
+WORKLOADS = ("dense", "moe", "dense-1024", "deep")
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
 
 
@@ -67,7 +67,7 @@ class BenchConfig:
 
 
 def batch_shape(kind: str, cfg: BenchConfig) -> tuple[int, int]:
-    if cfg.quick:
+    if cfg.quick or kind == "deep":
         return 2, 16
     return (1, 32) if kind in ("dense-wide", "dense-1024") else (cfg.batch, cfg.seq_len)
 
@@ -81,6 +81,9 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
         if kind == "moe":
             return MoE(MoEConfig(vocab_size=2048, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8,
                                  top_k=2, expert_hidden=16, max_seq_len=seq_len, fused_experts=True))
+        if kind == "deep":
+            return Llama(LlamaConfig(vocab_size=VOCAB["deep"], dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
+                                     ffn_hidden=64, max_seq_len=seq_len))
         if kind in ("dense", "dense-wide", "dense-1024"):
             return Llama(LlamaConfig(vocab_size=2048, dim=32 if kind == "dense" else 64, n_layers=2,
                                      n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=seq_len))
@@ -100,6 +103,13 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
                                      ffn_hidden=1408, max_seq_len=seq_len))
         return Llama(LlamaConfig(vocab_size=2048, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8,
                                  ffn_hidden=2816, max_seq_len=seq_len))
+    if kind == "deep":
+        # Many small blocks: the per-block host work of the engine's hooks decides the step
+        # (python -m ragged_fsdp.bench.host_cost splits it by hook).
+        from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+        return Llama(LlamaConfig(vocab_size=VOCAB["deep"], dim=64, n_layers=48, n_heads=4, n_kv_heads=2,
+                                 ffn_hidden=128, max_seq_len=max(seq_len, 16)))
     if kind == "moe":
         # Fused 3-D experts: with separate expert modules, an expert that gets no token on
         # one rank has no gradient there, and FSDP2 then reduce-scatters a different set
@@ -109,7 +119,10 @@ def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
         return MoE(MoEConfig(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
                              n_experts=32, top_k=2, expert_hidden=128, max_seq_len=seq_len,
                              fused_experts=True))
-    raise ValueError(f"unknown model kind {kind!r}: expected dense, moe, dense-1024 or dense-wide")
+    raise ValueError(f"unknown model kind {kind!r}: expected dense, moe, dense-1024, dense-wide or deep")
+
+
+VOCAB = {"deep": 512}  # token ids are drawn below each workload's vocabulary (2048 unless listed)
 
 
 def wrap(model: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
@@ -181,8 +194,9 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
     for kind in cfg.models:
         g = torch.Generator().manual_seed(1000 + rank)
         batch, seq = batch_shape(kind, cfg)
-        x = torch.randint(0, 2048, (batch, seq), generator=g)
-        y = torch.randint(0, 2048, (batch, seq), generator=g)
+        vocab = VOCAB.get(kind, 2048)
+        x = torch.randint(0, vocab, (batch, seq), generator=g)
+        y = torch.randint(0, vocab, (batch, seq), generator=g)
         runs, passes = {}, {}
         for v in variants:
             model = wrap(build(kind, cfg.seq_len, cfg.quick), v, mesh)
