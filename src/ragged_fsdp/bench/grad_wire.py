@@ -65,7 +65,7 @@ def _fmt(mode):
 
 
 def _model(args):
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     if args.model == "small":
         from ragged_fsdp.models.llama import Llama, LlamaConfig
 
@@ -129,7 +129,7 @@ class _Batches:
         if args.model != "small":
             from ragged_fsdp.data import Batches, load_tokens
 
-            self.corpus = Batches(load_tokens(None), args.seq_len, args.batch)
+            self.corpus = Batches(load_tokens(None), args.seq_len, args.batch, seed=args.seed)
 
     def local(self, step: int, rank: int):
         if self.args.model != "small":
@@ -275,13 +275,15 @@ def run(args) -> dict:
     for r in rows.values():
         r["bytes_vs_fp32"] = r["bytes_sent"] / base["bytes_sent"]
         r["final_loss_vs_fp32"] = r["final_loss"] / base["final_loss"] - 1.0
-    cfg = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq_len", "dim", "layers", "hidden", "experts")}
+    cfg = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq_len", "dim", "layers", "hidden", "experts",
+                                         "seed")}
     return {"world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__, "rows": rows}
 
 
 def render_png(results: list[dict], path: str, smooth: int = 10) -> None:
-    """Loss curves (moving mean over ``smooth`` steps) and their difference from fp32
-    reduction, one column per result (world size)."""
+    """One column per result (world size): the loss curves (moving mean over ``smooth``
+    steps), their difference from fp32 reduction, and, where measured (``--grad-error``),
+    the accumulated gradient error ``||sum_t (g_t - g_fp32_t)||`` of the wire modes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,25 +299,33 @@ def render_png(results: list[dict], path: str, smooth: int = 10) -> None:
         return out
 
     n = len(results)
-    fig, axes = plt.subplots(2, n, figsize=(5.2 * n, 7), squeeze=False, sharex=True)
+    probed = any("accumulated_err" in r for res in results for r in res["rows"].values())
+    nrows = 3 if probed else 2
+    fig, axes = plt.subplots(nrows, n, figsize=(5.2 * n, 3.4 * nrows), squeeze=False, sharex=True)
     for j, res in enumerate(results):
         base = ma(res["rows"]["fp32 reduce"]["losses"])
         for name, r in res["rows"].items():
             curve = ma(r["losses"])
-            style = "--" if "FSDP2" in name else "-"
-            axes[0][j].plot(curve, style, label=name, lw=1.2)
-            axes[1][j].plot([100 * (c / b - 1) for c, b in zip(curve, base)], style, label=name, lw=1.2)
+            kw = dict(ls="--" if "FSDP2" in name else "-", label=name, lw=1.1,
+                      color=f"C{list(MODES).index(r.get('mode', 'fp32'))}")
+            axes[0][j].plot(curve, **kw)
+            axes[1][j].plot([100 * (c / b - 1) for c, b in zip(curve, base)], **kw)
+            if probed and "accumulated_err" in r:
+                axes[2][j].semilogy(r["accumulated_err"], **kw)
         c = res["config"]
         axes[0][j].set_title(f"{c['model']}, W={res['world']}, {res['steps']} steps")
         axes[0][j].set_ylabel(f"loss (mean of {smooth} steps)")
         axes[1][j].set_ylabel("vs fp32 reduce (%)")
         axes[1][j].axhline(0, color="k", lw=0.6)
-        axes[1][j].axhline(1, color="gray", lw=0.6, ls=":")
-        axes[1][j].set_xlabel("step")
+        for y in (-1, 1):
+            axes[1][j].axhline(y, color="gray", lw=0.6, ls=":")
+        if probed:
+            axes[2][j].set_ylabel("||sum of gradient errors||")
+        axes[-1][j].set_xlabel("step")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
 
 
 def _parser():
@@ -332,6 +342,8 @@ def _parser():
     ap.add_argument("--layers", type=int, default=None, help="shrink the model: its depth")
     ap.add_argument("--hidden", type=int, default=None, help="shrink the model: FFN (demo) or expert (moe) hidden")
     ap.add_argument("--experts", type=int, default=None, help="shrink the moe model: experts per layer")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the weights' seed and (demo, moe) the batches' (default 0)")
     ap.add_argument("--grad-error", action="store_true",
                     help="measure every step's gradient error and the accumulated error (wire modes)")
     ap.add_argument("--progress", type=int, default=0, help="print the loss every N steps")
@@ -352,6 +364,8 @@ def check_args(ap, args) -> None:
     if bad:
         ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
     args.modes = modes
+    if args.seed < 0:
+        ap.error(f"--seed {args.seed}: must be >= 0")
     for k in ("world", "dim", "layers", "hidden", "experts"):
         v = getattr(args, k)
         if v is not None and v < 1:
