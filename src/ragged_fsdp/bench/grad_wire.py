@@ -1,8 +1,8 @@
 """Gradient reduction in fewer bytes (``fully_shard(gradient_reduce=...)``) against fp32
 reduction and FSDP2's ``reduce_dtype=bf16``, side by side in one launch::
 
-    python -m ragged_fsdp.bench.grad_wire --model demo --world 4 --steps 300 \\
-        --json docs/data/grad_wire_demo_w4.json --png docs/img/grad_wire_demo_w4.png
+    python -m ragged_fsdp.bench.grad_wire --model demo --world 4 --steps 300 --grad-error \\
+        --json docs/data/grad_wire_demo_w4.json --png out/grad_wire_demo_w4.png
 
 (``--world N`` starts ``N`` CPU ranks through torchrun; under torchrun, leave it out.)
 Per mode, from the same seed and the same batches: the bytes each rank sends per step for
