@@ -72,6 +72,22 @@ def _entries(slot):
     return n
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "gpt"], "--model 'gpt': choose one of small, demo, moe"),
+    (["--modes", "fp32,int4"], "--modes: unknown int4"),
+    (["--model", "demo", "--world", "4", "--batch", "6"], "--batch 6 is not a multiple of --world 4"),
+    (["--steps", "0"], "--steps 0: must be >= 1"),
+    (["--dim", "0"], "--dim 0: must be >= 1"),
+    (["--plot", "a.json"], "--plot needs --png"),
+])
+def test_bench_refuses_bad_options(argv, message, capsys):
+    from ragged_fsdp.bench import grad_wire as bench
+
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_refuses_other_dtypes():
     with pytest.raises(ValueError, match="wire_dtype=torch.float16"):
         GradientReduce(torch.float16)
@@ -244,7 +260,44 @@ def case_refuses_bf16_reduce_dtype(rank, world):
                     mp_policy=MixedPrecisionPolicy())
 
 
-CASES = [case_collective_matches_reference, case_engine_fsdp, case_engine_hsdp, case_refuses_bf16_reduce_dtype]
+def _bench_args(*extra):
+    from ragged_fsdp.bench import grad_wire as bench
+
+    ap = bench._parser()
+    args = ap.parse_args(["--model", "demo", "--dim", "32", "--layers", "1", "--hidden", "48", "--seq-len", "16",
+                          "--batch", "4", "--steps", "3", *extra])
+    bench.check_args(ap, args)
+    return args
+
+
+def case_bench_error_probe_leaves_training_bitwise(rank, world):
+    """bench.grad_wire --grad-error wraps the engine's wire reduction to measure it: the
+    training it measures must be the one without it, bit for bit (losses and weights), and
+    with error feedback its accumulated error is the residuals' mean (bounded), below the
+    one without feedback after a few steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp.bench import grad_wire as bench
+
+    mesh = init_device_mesh("cpu", (world,))
+    batches = bench._Batches(_bench_args(), world)
+    for mode in (("int8", True), ("bf16", False)):
+        plain, _ = bench._train(_bench_args(), "x", mode, mesh, batches, None)
+        probed, _ = bench._train(_bench_args("--grad-error"), "x", mode, mesh, batches, None)
+        assert plain["losses"] == probed["losses"], (mode, plain["losses"], probed["losses"])
+        for (n, a), (_, b) in zip(plain["_model"].named_parameters(), probed["_model"].named_parameters()):
+            assert torch.equal(a.full_tensor(), b.full_tensor()), f"{mode} {n}: the probe changed the weights"
+        errs = probed["grad_rel_err_per_step"]
+        assert len(errs) == 3 and all(0 < e < 0.1 for e in errs), errs
+    # the probe wraps the engine's function and puts it back
+    from ragged_fsdp.fsdp import reduction
+    from ragged_fsdp.fsdp.wire_reduce import wire_reduce_scatter
+
+    assert reduction.wire_reduce_scatter is wire_reduce_scatter
+
+
+CASES = [case_collective_matches_reference, case_engine_fsdp, case_engine_hsdp, case_refuses_bf16_reduce_dtype,
+         case_bench_error_probe_leaves_training_bitwise]
 
 
 @pytest.fixture(scope="module")

@@ -303,3 +303,65 @@ def test_mesh_auto_keeps_meshes_the_recipe_allows(capsys):
     assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "16", "--mesh", "auto", "--microbatches", "2",
                      "--micro-batch", "2", "--frameworks", "ragged"]) == 2
     assert "no candidate mesh" in capsys.readouterr().err
+
+
+def test_grad_wire_sends_the_formats_bytes_and_adds_its_local_work():
+    """--grad-wire: the shard dim's reduction sends the format's bytes per element (codes
+    plus one fp32 scale per 128 elements) instead of fp32's 4, adds the quantise and
+    dequantise + fp32 sum, and changes nothing for the frameworks without the option."""
+    base = _run("llama3-70b", 64, fw=("ragged", "fsdp2"))
+    assert base["ragged"].grad_reduce["format"] == "fp32 reduce-scatter"
+    assert base["ragged"].time_parts["gradient wire quantise"] == 0
+    for wire, per_elem in (("bf16", 2.0), ("int8", 1 + 4 / 128), ("fp8", 1 + 4 / 128)):
+        r = _run("llama3-70b", 64, fw=("ragged", "fsdp2"), grad_wire=wire)
+        ratio = r["ragged"].grad_reduce["sent_bytes"] / base["ragged"].grad_reduce["sent_bytes"]
+        assert ratio == pytest.approx(per_elem / 4), wire
+        assert r["ragged"].grad_reduce["wire_local_s"] > r["ragged"].time_parts["gradient wire quantise"] > 0
+        assert r["ragged"].memory_bytes == base["ragged"].memory_bytes  # no residual without error feedback
+        assert r["fsdp2"].step_s == base["fsdp2"].step_s and r["fsdp2"].grad_reduce == base["fsdp2"].grad_reduce
+        assert "gradient wire quantise / error feedback (ragged_fsdp's gradient_reduce)" in r["fsdp2"].vs_ragged["step_s"]
+    # error feedback: more local work, and a persistent fp32 residual of the unsharded gradient
+    # (every rank sends pieces of all W segments): 4 bytes per parameter on every rank
+    q = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8")
+    ef = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8", grad_wire_ef=True)
+    assert ef.grad_reduce["sent_bytes"] == q.grad_reduce["sent_bytes"]
+    assert ef.time_parts["gradient wire quantise"] > q.time_parts["gradient wire quantise"]
+    params = resolve_model("llama3-70b").params
+    assert ef.grad_reduce["feedback_bytes"] == pytest.approx(4 * params, rel=0.01)
+    assert ef.memory_items["error-feedback residuals"] == ef.grad_reduce["feedback_bytes"]
+    assert ef.memory_bytes - q.memory_bytes >= ef.grad_reduce["feedback_bytes"]
+
+
+def test_grad_wire_bytes_match_the_engines_block_format():
+    """The simulator's bytes per element are the engine's: on a planned layout of 128-wide
+    rows, ``quant.grad_wire.wire_bytes`` sends one code byte per element and 4 bytes per
+    128-element block."""
+    import torch
+
+    from ragged_fsdp import GradientReduce
+    from ragged_fsdp.dbuffer.planning import plan_layout
+    from ragged_fsdp.quant.grad_wire import MIN_BLOCK, wire_blocks, wire_bytes
+    from ragged_fsdp.sim.options import WIRE_BLOCK, WIRE_BYTES
+
+    assert WIRE_BLOCK == MIN_BLOCK
+    world = 4
+    lay = plan_layout([("w1", (512, 128), None), ("w2", (256, 128), None)], world, 0, itemsize=4)
+    blocks = wire_blocks(lay)
+    for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+        sent, _ = wire_bytes(blocks, GradientReduce(dtype), 0)
+        assert sent / ((world - 1) * lay.segment) == pytest.approx(WIRE_BYTES[name]), name
+
+
+def test_grad_wire_bad_input_names_the_option(capsys):
+    with pytest.raises(ValueError, match="--grad-wire 'int4'"):
+        _run(grad_wire="int4")
+    with pytest.raises(ValueError, match="--grad-wire-ef needs --grad-wire"):
+        _run(grad_wire_ef=True)
+    assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "64", "--frameworks", "ragged",
+                     "--grad-wire-ef"]) == 2
+    assert "--grad-wire-ef needs --grad-wire" in capsys.readouterr().err
+    assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "64", "--frameworks", "ragged",
+                     "--grad-wire", "fp8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["scenario"]["recipe"]["grad_wire"] == "fp8"
+    assert doc["results"][0]["grad_reduce"]["format"] == "fp8 wire, fp32 sum"

@@ -6,6 +6,7 @@ ragged_fsdp, FSDP2, FSDP1, DeepSpeed ZeRO-3 and Megatron-FSDP, from shapes only.
         [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | pp=8,tp=8,dp=16 | cp=4,dp=256 | auto] \\
         [--compile] [--float8 tensorwise|rowwise [--float8-allgather]] [--async-tp] \\
         [--pp-schedule 1f1b|interleaved_1f1b|zero_bubble] [--microbatches M] \\
+        [--grad-wire bf16|int8|fp8 [--grad-wire-ef]] \\
         [--frameworks ragged,fsdp2,fsdp1,deepspeed,megatron] [--sweep gpus=64..16384] \\
         [--json] [--plot out.png]
     python -m ragged_fsdp simulate --calibrate [--profile-out out/cpu_profile.json]
@@ -26,7 +27,7 @@ import sys
 
 from ..models.catalog import list_models
 from ..sim.mesh import Mesh, parse_mesh
-from ..sim.options import AC_MODES, FLOAT8_RECIPES, MAX_GPUS, PP_SCHEDULES, Recipe, check_finite
+from ..sim.options import AC_MODES, FLOAT8_RECIPES, GRAD_WIRES, MAX_GPUS, PP_SCHEDULES, Recipe, check_finite
 from ..sim.profiles import PROFILES, get_profile
 from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
@@ -73,6 +74,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="all-gather the float8 linears' weights in 1 byte (FSDP2: torchao float8; ragged_fsdp: "
                         "its BlockFP8, 1 byte + an fp32 scale per 128x128 tile)")
     p.add_argument("--async-tp", action="store_true", help="TP collectives as collective matmuls (needs tp > 1)")
+    p.add_argument("--grad-wire", default=None, choices=GRAD_WIRES,
+                   help="ragged_fsdp's gradient_reduce: gradients as bf16 or int8/fp8 codes + per-block scales "
+                        "through an all-to-all, summed in fp32 (default: the fp32 reduce-scatter)")
+    p.add_argument("--grad-wire-ef", action="store_true",
+                   help="with --grad-wire: error feedback (a persistent fp32 residual of the unsharded gradient)")
     p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (with pp > 1)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches per step (default: --micro-batch, one sequence each)")
@@ -147,7 +153,8 @@ def run(args) -> int:
             raise ValueError("--eager-loss only applies with --compile (without it the loss is eager already)")
         recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather,
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
-                        pp_virtual=args.pp_virtual_stages)
+                        pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
+                        grad_wire_ef=args.grad_wire_ef)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}
@@ -206,6 +213,12 @@ def run(args) -> int:
         print(f"{r.framework} [{r.status}]: " + "; ".join(r.differences))
         print("    peak: " + ", ".join(f"{k} {v / 2**30:.1f} GiB" for k, v in top))
         print("    time: " + ", ".join(f"{k} {v:.3f}s" for k, v in r.time_parts.items() if v))
+        gr = r.grad_reduce
+        if gr:
+            print(f"    gradient reduction: {gr['format']}, {gr['sent_bytes'] / 2**30:.2f} GiB sent per rank per step"
+                  + (f", local quantise/sum {gr['wire_local_s']:.3f}s" if gr["wire_local_s"] else "")
+                  + (f", error-feedback residuals {gr['feedback_bytes'] / 2**30:.1f} GiB" if gr["feedback_bytes"]
+                     else ""))
         if r.vs_ragged:
             d = r.vs_ragged
             t = ", ".join(f"{k} {v:+.1%}" for k, v in d["step_frac"].items() if abs(v) >= 5e-4)

@@ -17,11 +17,14 @@ from __future__ import annotations
 __all__ = ["breakdown", "memory_cause"]
 
 _TIME = {"copies": "copy-out / copy-in", "exposed comm": "exposed FSDP collectives (padding, overlap)",
-         "optimizer": "optimizer (padded shards)"}
+         "optimizer": "optimizer (padded shards)",
+         "gradient wire quantise": "gradient wire quantise / error feedback (ragged_fsdp's gradient_reduce)"}
 
 
 def memory_cause(item: str) -> str:
     k = item.lower()
+    if k.startswith("error-feedback"):
+        return "error-feedback residuals (gradient_reduce)"
     if k.startswith(("sharded params", "optimizer states", "sharded grad", "sharded grads")):
         return "sharded state incl. padding"
     if "copied out" in k or "copy-out" in k:

@@ -75,12 +75,13 @@ def allreduce_time(prof: GPUProfile, nbytes: float, world: int, stride: int = 1)
     return 2 * lat + 2 * (world - 1) / world * nbytes / bw
 
 
-def alltoall_time(prof: GPUProfile, nbytes: float, world: int) -> float:
-    """All-to-all where each rank sends ``nbytes`` in total (spread over the others)."""
+def alltoall_time(prof: GPUProfile, nbytes: float, world: int, stride: int = 1) -> float:
+    """All-to-all where each rank sends ``nbytes`` in total (spread over the others; its own
+    share, ``1/world`` of it, stays local)."""
     if world <= 1 or nbytes <= 0:
         return 0.0
     got = _measured(prof, "all_to_all", nbytes)
     if got is not None:
         return got
-    bw, lat = _bw_lat(prof, world, ring=False)
+    bw, lat = _bw_lat(prof, world, stride, ring=False)
     return lat + (world - 1) / world * nbytes / bw

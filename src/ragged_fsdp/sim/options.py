@@ -17,6 +17,13 @@ Each option maps to one cost model (docs/simulate.md, "Cost models"):
   matmul they feed cannot hide stays exposed, plus one ring step (:mod:`.tensor_parallel`).
 - ``pp_schedule`` with ``microbatches`` and ``pp_virtual``: the bubble and the microbatches
   each stage holds in flight (:mod:`.pipeline`).
+- ``grad_wire`` (``bf16`` / ``int8`` / ``fp8``) with ``grad_wire_ef``: ragged_fsdp's
+  ``fully_shard(gradient_reduce=GradientReduce(...))``. The shard dim's reduce-scatter becomes
+  an all-to-all of :data:`WIRE_BYTES` per element (codes plus one fp32 scale per
+  ``WIRE_BLOCK`` elements), and the local work of the format (quantise, error feedback,
+  dequantise and the fp32 sum) is memory traffic of :data:`WIRE_LOCAL_BYTES` per element of
+  the unsharded gradient (:mod:`.timing`). Other frameworks are unchanged (they have no such
+  option); the HSDP replicate all-reduce stays fp32, as in the engine.
 """
 
 from __future__ import annotations
@@ -24,11 +31,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["Recipe", "AC_MODES", "FLOAT8_RECIPES", "PP_SCHEDULES", "MAX_GPUS", "check_finite"]
+__all__ = ["Recipe", "AC_MODES", "FLOAT8_RECIPES", "PP_SCHEDULES", "MAX_GPUS", "check_finite", "GRAD_WIRES",
+           "WIRE_BYTES", "WIRE_BLOCK", "WIRE_LOCAL_BYTES"]
 
 AC_MODES = ("none", "selective", "op", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
+GRAD_WIRES = ("bf16", "int8", "fp8")
+# quant/grad_wire.py: blocks of at least MIN_BLOCK = 128 elements (element-granularity units
+# merged; a 128-wide row is one block), one fp32 scale each
+WIRE_BLOCK = 128
+WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK, "fp8": 1.0 + 4.0 / WIRE_BLOCK}
+# Memory traffic of the format's local work, bytes per element of the unsharded gradient,
+# counted from the engine's torch ops as they run today (unfused; quant/grad_wire.py,
+# fsdp/wire_reduce.py), each op reading its inputs and writing its output once:
+#   "quantise" (sender, before the all-to-all): int8: abs (4+4), segment max (4), scales
+#     repeated (4), divide (4+4+4), round (4+4), clamp (4+4), cast (4+1) = 49; fp8: the same
+#     without round and clamp = 33; bf16: one cast (4+2) = 6;
+#   "feedback" (error feedback, sender): grad + residual (12), dequantise (codes to fp32 4+1
+#     or 2+4, scales repeated 4, multiply 12), residual = x - that (12): 45 (bf16: 30);
+#   "sum" (receiver, on the reduction's lane): dequantise every piece (21; bf16 6) and the
+#     fp32 sum over the pieces (4).
+WIRE_LOCAL_BYTES = {
+    "bf16": {"quantise": 6.0, "feedback": 30.0, "sum": 10.0},
+    "int8": {"quantise": 49.0, "feedback": 45.0, "sum": 25.0},
+    "fp8": {"quantise": 33.0, "feedback": 45.0, "sum": 25.0},
+}
 MAX_GPUS = 131072  # as `plan` (MAX_WORLD): beyond it the planner's per-rank tables grow without bound
 
 
@@ -44,8 +72,14 @@ class Recipe:
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: one sequence per microbatch (torchtitan's default size 1)
     pp_virtual: int = 2  # stages per rank for interleaved_1f1b (torchtitan's default for looped schedules)
+    grad_wire: str | None = None  # ragged_fsdp's gradient_reduce wire: None (fp32 reduce-scatter), bf16, int8, fp8
+    grad_wire_ef: bool = False  # with grad_wire: error feedback
 
     def check(self, tp: int, pp: int, local_batch: int) -> None:
+        if self.grad_wire is not None and self.grad_wire not in GRAD_WIRES:
+            raise ValueError(f"--grad-wire {self.grad_wire!r}: choose one of {', '.join(GRAD_WIRES)}")
+        if self.grad_wire_ef and self.grad_wire is None:
+            raise ValueError("--grad-wire-ef needs --grad-wire bf16|int8|fp8 (the residual is of the wire format)")
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8_RECIPES)}")
         if self.float8_allgather and self.float8 is None:

@@ -21,7 +21,7 @@ from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
-from .options import AC_MODES, MAX_GPUS, Recipe
+from .options import AC_MODES, MAX_GPUS, WIRE_BYTES, WIRE_LOCAL_BYTES, Recipe
 from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
 from .tensor_parallel import tp_block_comm
@@ -95,6 +95,9 @@ class FrameworkResult:
     peak_stage: int = 0
     vs_ragged: dict = field(default_factory=dict)  # the difference from ragged_fsdp by cause
     host: dict = field(default_factory=dict)  # start-up / checkpoint planning CPU (sim/host.py)
+    # the shard dim's gradient reduction: format, bytes one rank sends per step, seconds of
+    # the wire format's local work (quantise, error feedback, dequantise + fp32 sum)
+    grad_reduce: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -232,13 +235,33 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
         inner = mesh.gpus // pp
         bw, lat = (prof.nvlink_bw, prof.alpha_intra) if inner < prof.gpus_per_node else (prof.net_bw, prof.alpha_inter)
         p2p = 2 * (pp - 1) * (lat + tokens * arch.hidden * cb / mesh.tp / bw)
+    wire = rc.grad_wire if fw == "ragged" else None  # the option is ragged_fsdp's
+    wkw = {}
+    if wire is not None:
+        loc = WIRE_LOCAL_BYTES[wire]
+        wkw = dict(wire_bytes=WIRE_BYTES[wire], wire_sum_bytes=loc["sum"],
+                   wire_sender_bytes=loc["quantise"] + (loc["feedback"] if rc.grad_wire_ef else 0.0))
     ti = TimeInputs(layouts=L, comp_f=comp_f, comp_b=comp_b, cb=cb, rb=rb, replicate=mesh.replicate,
                     kept=kept, reshard_after_forward=reshard, opt_elems=opt_elems,
                     optimizer=sc.optimizer, ns_flops=ctx["ns_total"] / mesh.tp / pp, ns_world=ns_world,
                     ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep,
                     tp_exposed=tp_exp, tp_total=tp_tot, cp_exposed=cp_exp, cp_total=cp_tot, gather_cb=gcb,
-                    microbatches=m_count, bubble=bubble(rc.pp_schedule, pp, rc.pp_virtual), p2p_fill=p2p)
+                    microbatches=m_count, bubble=bubble(rc.pp_schedule, pp, rc.pp_virtual), p2p_fill=p2p, **wkw)
     return mem, step_time(fw, prof, ti), L
+
+
+def _grad_reduce(fw: str, sc: Scenario, arch: Arch, per_stage, s_time: int) -> dict:
+    """The gradient reduction of the slowest stage: its format, the bytes one rank sends per
+    step (shard dim), the wire's local seconds, and the error-feedback residual's bytes per
+    rank (one fp32 buffer of the unsharded gradient per group)."""
+    rc = sc.recipe
+    wire = rc.grad_wire if fw == "ragged" else None
+    _, _, tr, L = next(x for x in per_stage if x[0] == s_time)
+    fmt = "fp32 reduce-scatter" if wire is None else f"{wire} wire, fp32 sum" + (", error feedback" if rc.grad_wire_ef
+                                                                               else "")
+    ef = 4.0 * sum(g.gathered for g in L) if (wire is not None and rc.grad_wire_ef) else 0.0
+    return {"format": fmt, "sent_bytes": tr.reduce_sent_bytes, "wire_local_s": tr.wire_local_s,
+            "feedback_bytes": ef}
 
 
 def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> list[FrameworkResult]:
@@ -265,6 +288,11 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         s_mem, mem, _, L_mem = max(per_stage, key=lambda x: x[1].peak)
         s_time, _, tr, _ = max(per_stage, key=lambda x: x[2].step)
         peak = mem.peak * (1 + prof.alloc_reserve) + prof.reserved_bytes
+        # error feedback's residuals persist through the step: one fp32 buffer of each
+        # group's unsharded gradient (fsdp/wire_reduce.py), on top of every phase's peak
+        ef = _grad_reduce(fw, sc, arch, per_stage, s_mem)["feedback_bytes"]
+        peak += ef * (1 + prof.alloc_reserve)
+        items = {**mem.items, **({"error-feedback residuals": ef} if ef else {})}
         L_all = [g for _, _, _, L in per_stage for g in L]
         used = sum(g.numel * g.count for g in L_all)
         held = sum((g.segment + g.persistent) * g.shard_world for g in L_all)
@@ -272,10 +300,11 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         mfu = tokens_gpu * arch.flops_per_token(sc.seq) / tr.step / prof.flops
         results.append(FrameworkResult(
             framework=fw, status=VALIDATED[fw], mesh=str(mesh), memory_bytes=peak, fits=peak <= prof.hbm_bytes,
-            peak_phase=mem.peak_phase + (f" (stage {s_mem})" if mesh.pp > 1 else ""), memory_items=mem.items,
+            peak_phase=mem.peak_phase + (f" (stage {s_mem})" if mesh.pp > 1 else ""), memory_items=items,
             sharded_params=mem.sharded_params, sharded_grads=mem.sharded_grads, optimizer_states=mem.optimizer_states,
             padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
             time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem,
+            grad_reduce=_grad_reduce(fw, sc, arch, per_stage, s_time),
             # measured on 1-D FSDP meshes of W ranks: the set-up is taken at the shard group's
             # size and the coordinator's planning at every rank's (it gathers all plans)
             host={"startup": host_costs(sc.model, fw, mesh.dp, n_tensors),

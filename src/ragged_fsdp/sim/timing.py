@@ -56,6 +56,13 @@ class TimeInputs:
     bubble: float = 0.0  # PP: idle time in microbatch units
     p2p_fill: float = 0.0  # PP: warm-up + cool-down transfer seconds on the critical path
     extra_compute: float = 0.0  # seconds of non-matmul work (calibrated CPU profiles)
+    # ragged_fsdp's gradient_reduce: bytes per element on the wire (None: the fp32
+    # reduce-scatter) and the local work's memory traffic per unsharded gradient element:
+    # sender-side (quantise, error feedback; on the compute stream, never hidden) and the
+    # receiver's dequantise + fp32 sum (on the reduction's lane, hidden like the collective)
+    wire_bytes: float | None = None
+    wire_sender_bytes: float = 0.0
+    wire_sum_bytes: float = 0.0
 
 
 @dataclass
@@ -68,6 +75,8 @@ class TimeResult:
     optimizer: float
     parts: dict  # additive: they sum to ``step``
     comm_phases: dict = field(default_factory=dict)  # exposed FSDP comm per phase, and totals
+    reduce_sent_bytes: float = 0.0  # bytes one rank sends per step for the shard dim's gradient reduction
+    wire_local_s: float = 0.0  # seconds of the wire format's local work (sender + receiver), per step
 
 
 def newton_schulz_flops(m: int, n: int, steps: int = 5) -> float:
@@ -85,8 +94,17 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
     comp_f, comp_b = list(t.comp_f), list(t.comp_b)
     gcb = t.gather_cb or [float(t.cb)] * n
     ag = [collective_time(prof, "all_gather", g.gathered * gcb[i], g.shard_world, g.stride) for i, g in enumerate(L)]
-    rs = [collective_time(prof, "reduce_scatter", g.gathered * t.rb, g.shard_world, g.stride)
-          + allreduce_time(prof, g.segment * t.rb, t.replicate, g.stride * g.shard_world) for g in L]
+    if t.wire_bytes is None:
+        rs = [collective_time(prof, "reduce_scatter", g.gathered * t.rb, g.shard_world, g.stride) for g in L]
+        sent = sum((g.shard_world - 1) / g.shard_world * g.gathered * t.rb for g in L if g.shard_world > 1)
+        sender = [0.0] * n
+    else:  # all-to-all of the codes (+ scales), then the receiver's dequantise + fp32 sum
+        rs = [alltoall_time(prof, g.gathered * t.wire_bytes, g.shard_world, g.stride)
+              + g.gathered * t.wire_sum_bytes / prof.mem_bw for g in L]
+        sent = sum((g.shard_world - 1) / g.shard_world * g.gathered * t.wire_bytes for g in L if g.shard_world > 1)
+        sender = [g.gathered * t.wire_sender_bytes / prof.mem_bw for g in L]
+    # HSDP: the replicate dim's all-reduce of the segment, fp32 in every mode
+    rs = [x + allreduce_time(prof, g.segment * t.rb, t.replicate, g.stride * g.shard_world) for x, g in zip(rs, L)]
     o = prof.overlap
 
     def hide(comm, comp):
@@ -117,6 +135,7 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
     gathers = [1 + (1 if regather[i] else 0) for i in range(n)]
     copy_bytes = sum(life.copy_out(g, gcb[i]) * gathers[i] + life.copy_in(g, t.rb) for i, g in enumerate(L))
     copies = 2 * copy_bytes / prof.mem_bw  # read + write
+    wire_sender = sum(sender)  # once per step, as the reduction (under PP too)
     # optimizer: AdamW reads p, g, m, v and writes p, m, v (+ one temporary): 9 fp32 passes
     if t.optimizer == "adamw":
         opt = t.opt_elems * 36 / prof.mem_bw
@@ -130,11 +149,15 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
     per_mb = sum(comp_f) + sum(comp_b) + t.extra_compute
     compute = per_mb * t.microbatches
     bubble = (per_mb + ep + t.tp_exposed + t.cp_exposed) * t.bubble + t.p2p_fill
-    step = compute + bubble + exposed + copies + opt + (ep + t.tp_exposed + t.cp_exposed) * t.microbatches
+    step = (compute + bubble + exposed + copies + opt + wire_sender
+            + (ep + t.tp_exposed + t.cp_exposed) * t.microbatches)
     parts = {"compute": compute, "exposed comm": exposed, "copies": copies, "optimizer": opt,
+             "gradient wire quantise": wire_sender,
              "ep all-to-all": ep * t.microbatches, "tp collectives (exposed)": t.tp_exposed * t.microbatches,
              "cp ring (exposed)": t.cp_exposed * t.microbatches, "pp bubble": bubble}
     phases["FSDP total (hidden or not)"] = total_comm
     phases["TP total (hidden or not)"] = t.tp_total * t.microbatches
     phases["CP ring total (hidden or not)"] = t.cp_total * t.microbatches
-    return TimeResult(step, compute, exposed, total_comm, copies, opt, parts, phases)
+    wire_local = wire_sender + (sum(g.gathered for g in L) * t.wire_sum_bytes / prof.mem_bw
+                                if t.wire_bytes is not None else 0.0)
+    return TimeResult(step, compute, exposed, total_comm, copies, opt, parts, phases, sent, wire_local)
