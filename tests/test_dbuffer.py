@@ -163,3 +163,30 @@ def test_layout_rejects_inconsistent_plans():
 
     with pytest.raises(ValueError, match="segment covers"):
         BufferLayout.from_plan(Bad(), [("x", (6,))], 2, 0)
+
+
+@pytest.mark.parametrize("runs, match", [
+    # 12 segments of 4 elements, a (48,) tensor: 4 per rank is right
+    ([(4, 12)], None),
+    ([(4, 5), (5, 1), (3, 1), (4, 5)], "segment covers"),   # a swap inside the long run
+    ([(4, 1), (3, 4), (5, 4), (4, 3)], "segment covers"),   # wrong runs of equal counts
+    ([(4, 11), (3, 1), (0, 0)], "sum to"),                  # short by one unit
+])
+def test_layout_checks_runcounts_placements_by_their_runs(runs, match):
+    """A RunCounts placement is checked at each run's ends (O(runs), not O(ranks spanned));
+    a wrong count anywhere inside a long run is still refused."""
+    from ragged_fsdp.placement import RaggedShard
+    from ragged_fsdp.run_counts import RunCounts
+
+    class Given:
+        segment = 4
+        offsets = {"x": 0}
+
+        def placement(self, name):
+            return RaggedShard((0,), RunCounts(runs))
+
+    if match is None:
+        BufferLayout.from_plan(Given(), [("x", (48,))], 12, 5)
+        return
+    with pytest.raises(ValueError, match=match):
+        BufferLayout.from_plan(Given(), [("x", (48,))], 12, 5)
