@@ -21,7 +21,7 @@ granularity) against torch's FSDP2 on the same 1-D mesh:
    wide tensor's row chunks, is run on block 0 alone at full W and **scaled by items**
    (FSDP2's only up to W=4,096, then **extrapolated** with the fitted exponent: at 16,384 it
    would run for hours).
-3. a load planned onto W/2 ranks from the largest W's metadata: each sampled rank's
+3. a load planned onto W/2 ranks from each W's metadata (``--load-to`` for the largest): each sampled rank's
    ``create_read_items_for_chunk_list`` work and its plan's bytes, and reading ``.metadata``;
    the same for ``checkpoint.load_local`` (no coordinator at all).
 
@@ -209,8 +209,9 @@ def run_planning(models, worlds, configs, load_to: int | None, cap: int = CAP_IT
                                                  small if planner == "default" else None)
                     row = {**info, "planner": planner, **res}
                     if planner == "scale":
-                        if load_to and world == max(worlds):
-                            row["load"] = _load_rows(groups, part, load_to, fw, gran, md, res)
+                        if load_to:  # the largest W onto load_to, every other W onto W / 2 (growth)
+                            to = load_to if world == max(worlds) else max(1, world // 2)
+                            row["load"] = _load_rows(groups, part, to, fw, gran, md, res)
                         if fw == "ragged_fsdp":
                             row["local_save"] = scale_local.plan_local(groups, plans, world, load_to, gran)
                     row["bench_cpu_s"] = time.process_time() - t0
