@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         measured = {(m, c[0]) for m in models for c in configs}
 
         def keep(rows, skipped):
-            return [dict(r, kept_from=kept_from["date"]) for r in rows
+            return [dict(r, kept_from=r.get("kept_from", kept_from["date"])) for r in rows  # first measured
                     if skipped or (r["model"], r["config"]) not in measured]
 
         setup += keep(old.get("setup", []), args.skip_setup)
