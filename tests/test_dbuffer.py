@@ -163,3 +163,134 @@ def test_layout_rejects_inconsistent_plans():
 
     with pytest.raises(ValueError, match="segment covers"):
         BufferLayout.from_plan(Bad(), [("x", (6,))], 2, 0)
+
+
+@pytest.mark.parametrize("runs, match", [
+    # 12 segments of 4 elements, a (48,) tensor: 4 per rank is right
+    ([(4, 12)], None),
+    ([(4, 5), (5, 1), (3, 1), (4, 5)], "segment covers"),   # a swap inside the long run
+    ([(4, 1), (3, 4), (5, 4), (4, 3)], "segment covers"),   # wrong runs of equal counts
+    ([(4, 11), (3, 1), (0, 0)], "sum to"),                  # short by one unit
+])
+def test_layout_checks_runcounts_placements_by_their_runs(runs, match):
+    """A RunCounts placement is checked at each run's ends (O(runs), not O(ranks spanned));
+    a wrong count anywhere inside a long run is still refused."""
+    from ragged_fsdp.placement import RaggedShard
+    from ragged_fsdp.run_counts import RunCounts
+
+    class Given:
+        segment = 4
+        offsets = {"x": 0}
+
+        def placement(self, name):
+            return RaggedShard((0,), RunCounts(runs))
+
+    if match is None:
+        BufferLayout.from_plan(Given(), [("x", (48,))], 12, 5)
+        return
+    with pytest.raises(ValueError, match=match):
+        BufferLayout.from_plan(Given(), [("x", (48,))], 12, 5)
+
+
+def _rank_by_rank_ok(S, off, n, counts, unit, W):
+    """The check over every rank the tensor spans (what from_plan did before it went by runs)."""
+    first, last = off // S, min(W, -(-(off + n) // S))
+    start = 0
+    starts = []
+    for c in counts:
+        starts.append(start)
+        start += c
+    if start != -(-n // unit):  # the counts must cover the tensor
+        return False
+    for r in range(W):
+        if counts[r] and not first <= r < last:
+            return False
+    for r in range(first, last):
+        lo, hi = max(off, r * S), min(off + n, (r + 1) * S)
+        want = (lo - off, hi - off) if hi > lo else (0, 0)
+        a, b = min(starts[r] * unit, n), min((starts[r] + counts[r]) * unit, n)
+        if (b - a) != want[1] - want[0] or (b > a and a != want[0]):
+            return False
+    return True
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 20), st.integers(1, 3), st.integers(4, 24),
+       st.lists(st.tuples(st.integers(0, 8), st.integers(1, 9)), min_size=1, max_size=6))
+def test_run_by_run_check_refuses_what_the_rank_by_rank_check_refuses(S, off, unit, W, runs):
+    """Random RunCounts placements of a 1-D tensor (right ones and wrong ones): from_plan
+    accepts exactly those that pass the check of every spanned rank."""
+    from ragged_fsdp.placement import RaggedShard
+    from ragged_fsdp.run_counts import RunCounts
+
+    counts = RunCounts(runs)
+    total = len(counts)
+    if total < W:
+        counts = RunCounts(list(runs) + [(0, W - total)])
+    elif total > W:
+        return
+    n = sum(counts) * unit
+    if n == 0 or off + n > W * S:
+        return
+
+    class Given:
+        segment = S
+        offsets = {"x": off}
+
+        def placement(self, name):
+            return RaggedShard((0,), counts, unit)
+
+    ok = _rank_by_rank_ok(S, off, n, tuple(counts), unit, W)
+    try:
+        BufferLayout.from_plan(Given(), [("x", (n,))], W, 0)
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted == ok, (S, off, unit, W, counts.runs())
+
+
+def test_run_by_run_check_on_right_layouts_and_one_unit_moved():
+    """Planned (right) 1-D layouts, half of them with one unit moved to another rank: the
+    run-by-run check agrees with the rank-by-rank one on every one (seeded, 3,000 cases)."""
+    import random
+
+    from ragged_fsdp.placement import RaggedShard
+    from ragged_fsdp.run_counts import RunCounts
+
+    rng = random.Random(1)
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        S, unit, W = rng.randint(1, 6), rng.randint(1, 3), rng.randint(4, 24)
+        if S % unit:
+            continue
+        off = rng.randint(0, W * S // 2) // unit * unit
+        n = rng.randint(1, W * S - off) // unit * unit
+        if n == 0:
+            continue
+        counts = [0] * W
+        for k in range(off // S, min(W, -(-(off + n) // S))):
+            a, b = max(off, k * S) - off, min(off + n, (k + 1) * S) - off
+            counts[k] = -(-b // unit) - a // unit
+        if rng.random() < 0.5:
+            i, j = rng.randrange(W), rng.randrange(W)
+            if counts[i]:
+                counts[i] -= 1
+                counts[j] += 1
+        placement = RaggedShard((0,), RunCounts([(c, 1) for c in counts]), unit)
+
+        class Given:
+            segment = S
+            offsets = {"x": off}
+
+            def placement(self, name):
+                return placement
+
+        ok = _rank_by_rank_ok(S, off, n, tuple(counts), unit, W)
+        try:
+            BufferLayout.from_plan(Given(), [("x", (n,))], W, 0)
+            accepted = True
+        except ValueError:
+            accepted = False
+        assert accepted == ok, (S, off, n, unit, counts)
+        seen[ok] += 1
+    assert seen[True] > 1000 and seen[False] > 300, seen

@@ -194,6 +194,45 @@ def _check_plan(plan, specs):
                 assert a == b
 
 
+def _counted_rank_by_rank(plan, name):
+    """Each rank's units, counted segment by segment (what Plan.placement did before it
+    took the inner segments as one run)."""
+    spec = plan.specs[name]
+    p = plan.placement(name)
+    g = p.unit * p.inner(spec.shape)
+    lo, e, S, W = plan.offsets[name], spec.numel, plan.segment, plan.world_size
+    if not p.num_units(spec.shape) or e == 0 or S == 0:
+        return None
+    out = [0] * W
+    for k in range(lo // S, min(W, -(-(lo + e) // S))):
+        a, b = max(lo, k * S) - lo, min(lo + e, (k + 1) * S) - lo
+        out[k] = -(-b // g) - a // g
+    return tuple(out)
+
+
+@given(instances())
+@FAST
+def test_placement_runs_are_the_counts_of_each_segment(inst):
+    specs, world, align = inst
+    plan = plan_group(specs, world, align)
+    for s in specs:
+        want = _counted_rank_by_rank(plan, s.name)
+        if want is not None:
+            assert tuple(plan.placement(s.name).local_units) == want
+
+
+def test_placement_of_a_tensor_over_many_segments_is_five_runs():
+    from ragged_fsdp.run_counts import RunCounts
+
+    specs = [TensorSpec("a", (3, 5), 4, "row"), TensorSpec("w", (1000, 6), 4, "row"), TensorSpec("b", (7,), 4)]
+    for W in (64, 4096):
+        plan = plan_group(specs, W, 16)
+        _check_plan(plan, specs)
+        lu = plan.placement("w").local_units
+        assert isinstance(lu, RunCounts) and len(lu.runs()) <= 5
+        assert tuple(lu) == _counted_rank_by_rank(plan, "w")
+
+
 @given(instances())
 @FAST
 def test_heuristic_plans_always_validate(inst):

@@ -21,7 +21,7 @@ granularity) against torch's FSDP2 on the same 1-D mesh:
    wide tensor's row chunks, is run on block 0 alone at full W and **scaled by items**
    (FSDP2's only up to W=4,096, then **extrapolated** with the fitted exponent: at 16,384 it
    would run for hours).
-3. a load planned onto W/2 ranks from the largest W's metadata: each sampled rank's
+3. a load planned onto W/2 ranks from each W's metadata (``--load-to`` for the largest): each sampled rank's
    ``create_read_items_for_chunk_list`` work and its plan's bytes, and reading ``.metadata``;
    the same for ``checkpoint.load_local`` (no coordinator at all).
 
@@ -209,8 +209,9 @@ def run_planning(models, worlds, configs, load_to: int | None, cap: int = CAP_IT
                                                  small if planner == "default" else None)
                     row = {**info, "planner": planner, **res}
                     if planner == "scale":
-                        if load_to and world == max(worlds):
-                            row["load"] = _load_rows(groups, part, load_to, fw, gran, md, res)
+                        if load_to:  # the largest W onto load_to, every other W onto W / 2 (growth)
+                            to = load_to if world == max(worlds) else max(1, world // 2)
+                            row["load"] = _load_rows(groups, part, to, fw, gran, md, res)
                         if fw == "ragged_fsdp":
                             row["local_save"] = scale_local.plan_local(groups, plans, world, load_to, gran)
                     row["bench_cpu_s"] = time.process_time() - t0
@@ -247,6 +248,10 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--load-to", type=int, default=None, help="plan a load onto this many ranks (default: W_max / 2)")
     ap.add_argument("--skip-setup", action="store_true", help="planning only")
+    ap.add_argument("--skip-planning", action="store_true", help="set-up only")
+    ap.add_argument("--keep-from", default=None, metavar="JSON",
+                    help="a previous report: its rows that this run does not measure (other configs, or every "
+                         "planning row with --skip-planning) are kept, and its date is recorded with them")
     ap.add_argument("--cap-items", type=int, default=CAP_ITEMS)
     ap.add_argument("--out", default="docs/data/scale.json")
     ap.add_argument("--png", default="docs/scale.png")
@@ -259,14 +264,26 @@ def main(argv=None) -> int:
     load_to = args.load_to or max(worlds) // 2
     t0 = time.process_time()
     setup = [] if args.skip_setup else run_setup(models, worlds, configs)
-    planning = run_planning(models, worlds, configs, load_to, args.cap_items)
+    planning = [] if args.skip_planning else run_planning(models, worlds, configs, load_to, args.cap_items)
+    kept_from = None
+    if args.keep_from:
+        old = json.loads(Path(args.keep_from).read_text())
+        kept_from = {"file": args.keep_from, "date": old.get("meta", {}).get("date")}
+        measured = {(m, c[0]) for m in models for c in configs}
+
+        def keep(rows, skipped):
+            return [dict(r, kept_from=r.get("kept_from", kept_from["date"])) for r in rows  # first measured
+                    if skipped or (r["model"], r["config"]) not in measured]
+
+        setup += keep(old.get("setup", []), args.skip_setup)
+        planning += keep(old.get("planning", []), args.skip_planning)
     from .scale_report import plot, sim_table, summarize, table
 
     summary = summarize(setup, planning)
     if args.sim_out:
         Path(args.sim_out).write_text(json.dumps(sim_table(summary, run_meta()), indent=1) + "\n")
     report = {"meta": run_meta(), "worlds": worlds, "load_to": load_to, "setup": setup, "planning": planning,
-              "summary": summary, "bench_cpu_s_main": time.process_time() - t0}
+              "summary": summary, "bench_cpu_s_main": time.process_time() - t0, "kept_from": kept_from}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     print(table(summary))

@@ -27,6 +27,8 @@ METRICS = (
     ("coord_rss_mb", "coordinator RSS growth", 1, "MB"),
     ("gathered_mb", "local plans gathered", 1, "MB"),
     ("metadata_mb", ".metadata", 1, "MB"),
+    ("metadata_read_cpu_s", "reading .metadata CPU/rank", 1, "s"),
+    ("load_cpu_s", "DCP load planning CPU/rank (max)", 1, "s"),
     ("local_meta_kb", "local save .meta/rank", 1, "KB"),
 )
 
@@ -80,6 +82,7 @@ def summarize(setup: list[dict], planning: list[dict]) -> dict:
                          "rank_cpu_s_max": max(v["cpu_s"] for v in ld["ranks"].values()),
                          "read_items_max": max(v["read_items"] for v in ld["ranks"].values()),
                          "gathered_mb": ld["gathered_bytes"] / 1e6, "metadata_read_cpu_s": ld["metadata_read_cpu_s"]}
+            c["load_cpu_s"] = c["load"]["rank_cpu_s_max"]
         if "local_save" in r:
             ls = r["local_save"]
             c["local_meta_kb"] = ls["meta_bytes_per_rank"] / 1e3
@@ -188,7 +191,8 @@ def plot(summary: dict, path: str) -> str | None:
 # metric in the summary -> (metric in sim/data/host_costs.json, factor to its unit)
 _SIM = {"setup_cpu_s": ("startup_cpu_s", 1), "coord_cpu_s": ("save_plan_cpu_s", 1),
         "coord_default_cpu_s": ("save_plan_default_cpu_s", 1), "metadata_mb": ("metadata_bytes", 1e6),
-        "local_meta_kb": ("local_meta_bytes", 1e3)}
+        "local_meta_kb": ("local_meta_bytes", 1e3), "metadata_read_cpu_s": ("metadata_read_cpu_s", 1),
+        "load_cpu_s": ("load_plan_cpu_s", 1)}
 
 
 def sim_table(summary: dict, meta: dict | None = None) -> dict:

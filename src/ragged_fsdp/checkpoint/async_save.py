@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStage
 
 from .errors import CheckpointLockedError, CheckpointSaveError, describe_failures
 from .integrity import ChecksummedWriter
+from .scale_planner import default_save_planner, planner_error
 
 __all__ = ["async_save"]
 
@@ -59,7 +60,14 @@ def async_save(
 ):
     """As ``torch.distributed.checkpoint.async_save``; returns its future. With a
     ``checkpoint_id`` and no ``storage_writer``, items are written with CRC-32 checksums
-    (:class:`~ragged_fsdp.checkpoint.integrity.ChecksummedWriter`)."""
+    (:class:`~ragged_fsdp.checkpoint.integrity.ChecksummedWriter`). ``planner``: default
+    :class:`~ragged_fsdp.checkpoint.ScaleSavePlanner` (DCP's default plans and files, a
+    coordinator check that scales); pass ``DefaultSavePlanner()`` or your own instead."""
+    err = planner_error("async_save", planner)
+    if err:
+        raise TypeError(err)
+    if planner is None:
+        planner = default_save_planner()
     if storage_writer is None and checkpoint_id is not None:
         storage_writer = ChecksummedWriter(checkpoint_id)
     if async_stager is None and not isinstance(storage_writer, AsyncStager):

@@ -43,6 +43,7 @@ from . import lock
 from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning, describe_failures
 from .integrity import ChecksummedWriter
 from .listing import _DELETING, _PARTIAL, MARKER, Checkpoint, _name, latest_checkpoint, list_checkpoints
+from .scale_planner import default_save_planner, planner_error
 from .strict import quiet_single_process
 
 __all__ = ["Checkpoint", "save", "list_checkpoints", "latest_checkpoint", "MARKER"]
@@ -106,8 +107,13 @@ def save(
     Failures (a full disk, a rank that cannot write, a peer that died) raise
     :class:`CheckpointSaveError` (an ``OSError``) on every rank that sees them, naming the
     rank(s) and the underlying error; nothing is published, this save's partial directory
-    is removed and the previous checkpoints are untouched."""
-    err = _check_save_args(state, root, step, keep_last)
+    is removed and the previous checkpoints are untouched.
+
+    ``planner``: a DCP ``SavePlanner``; default :class:`ScaleSavePlanner` (DCP's
+    ``DefaultSavePlanner`` with the same plans, files and errors, whose coordinator check
+    does not compare every pair of a tensor's chunks; see ``docs/scale.md``). Pass
+    ``DefaultSavePlanner()`` (or your own) to use it instead."""
+    err = _check_save_args(state, root, step, keep_last) or planner_error("save", planner)
     root = os.path.abspath(os.fspath(root)) if err is None else None
     _agree(err, (step, keep_last), root, process_group)
     pg = process_group
@@ -122,7 +128,8 @@ def save(
         _warn(notes)
     try:
         with quiet_single_process(not _use_dist(pg)):
-            dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=pg, planner=planner,
+            dcp.save(state, storage_writer=ChecksummedWriter(tmp), process_group=pg,
+                     planner=default_save_planner() if planner is None else planner,
                      no_dist=not _use_dist(pg))
         if _use_dist(pg):
             dist.barrier(group=pg)  # every rank's files are written and synced

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ._tree import set_element
 from .atomic import save
 from .errors import CheckpointWarning
+from .scale_planner import default_save_planner
 from .integrity import ChecksummedWriter
 from .listing import scan
 from .strict import dcp_load_verified, quiet_single_process, read_metadata
@@ -139,7 +140,7 @@ def torch_save_to_dcp(
     target = f"{out.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}" if existing else out
     try:
         with quiet_single_process(True):
-            dcp.save(state, storage_writer=ChecksummedWriter(target), no_dist=True)
+            dcp.save(state, storage_writer=ChecksummedWriter(target), no_dist=True, planner=default_save_planner())
     except BaseException:
         if existing:
             shutil.rmtree(target, ignore_errors=True)

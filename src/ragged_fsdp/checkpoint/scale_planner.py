@@ -13,7 +13,9 @@ every ``Shard(0)`` chunk) is an interval of flat element indices, and disjointne
 intervals is one sort. Tensors with any other chunk get DCP's own check, unchanged; so do the
 bounds and the "chunks cover the tensor" checks, which are linear already.
 
-Use it wherever a planner is taken: ``dcp.save(state, checkpoint_id=..., planner=ScaleSavePlanner())``.
+It is the default planner of ``ragged_fsdp.checkpoint.save`` (so of ``TrainState`` saves),
+``async_save`` and ``torch_save_to_dcp``; with plain DCP pass it yourself:
+``dcp.save(state, checkpoint_id=..., planner=ScaleSavePlanner())``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint import default_planner as _dp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-__all__ = ["ScaleSavePlanner", "flat_interval", "overlapping_intervals"]
+__all__ = ["ScaleSavePlanner", "default_save_planner", "flat_interval", "overlapping_intervals", "planner_error"]
 
 
 def flat_interval(size: Sequence[int], offsets: Sequence[int], sizes: Sequence[int],
@@ -99,3 +101,24 @@ class ScaleSavePlanner(DefaultSavePlanner):
             summary = "; ".join(errors)
             raise ValueError(f"Failed to validate global plan: {summary[:500]}")
         return global_plan, metadata
+
+
+def default_save_planner() -> ScaleSavePlanner:
+    """The planner our save functions use when the caller passes none (DCP's defaults:
+    ``flatten_state_dict=True``, ``flatten_sharded_tensors=True``, no dedup to lowest rank)."""
+    return ScaleSavePlanner()
+
+
+def planner_error(fn: str, planner) -> str | None:
+    """Why ``planner`` cannot be a save planner (a planner class instead of an instance, a
+    load planner, anything else), or None."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    if planner is None or isinstance(planner, SavePlanner):
+        return None
+    if isinstance(planner, type) and issubclass(planner, SavePlanner):
+        return (f"{fn}: planner={planner.__name__} is a class; pass an instance, "
+                f"planner={planner.__name__}(), or leave it out for ScaleSavePlanner()")
+    return (f"{fn}: planner must be a torch.distributed.checkpoint SavePlanner instance "
+            f"(e.g. ScaleSavePlanner() or DefaultSavePlanner()), got {type(planner).__name__}; "
+            "leave it out for the default ScaleSavePlanner()")

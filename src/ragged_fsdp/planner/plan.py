@@ -96,6 +96,10 @@ class Plan:
         lo, e = self.offsets[name], spec.numel
         # Only the ranks whose segment the tensor overlaps hold units; the counts are kept as
         # runs (RunCounts), so a placement costs O(ranks spanned), not O(W), to build and hold.
+        # The segments strictly inside the tensor all hold S / g units when S is a multiple
+        # of the block g and the first inner boundary falls on a block boundary (what the
+        # planner makes: a segment boundary never cuts a block), so those are one run and
+        # the placement costs O(1) whatever W is; any other plan is counted rank by rank.
         first, span = 0, []
         if units_total:
             if e == 0 or S == 0:  # empty trailing dims: the (empty) units sit where it starts
@@ -103,10 +107,18 @@ class Plan:
             else:
                 g = unit * inner
                 first = lo // S
-                for k in range(first, min(W, -(-(lo + e) // S))):
+                end = min(W, -(-(lo + e) // S))
+
+                def count(k):
                     a = max(lo, k * S) - lo
                     b = min(lo + e, (k + 1) * S) - lo
-                    span.append(-(-b // g) - a // g)
+                    return -(-b // g) - a // g
+
+                if end - first > 3 and S % g == 0 and ((first + 1) * S - lo) % g == 0:
+                    runs = [(0, first), (count(first), 1), (S // g, end - first - 2), (count(end - 1), 1),
+                            (0, W - end)]
+                    return RaggedUnits(dims, RunCounts(runs), unit)
+                span = [count(k) for k in range(first, end)]
         return RaggedUnits(dims, RunCounts.span(W, first, span), unit)
 
     # -- convenience -------------------------------------------------------------------

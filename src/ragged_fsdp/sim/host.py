@@ -4,7 +4,8 @@ The step-time model says nothing about what a job pays before its first step or 
 checkpoint on the host: every rank's ``fully_shard`` set-up, and DCP's save planning on the
 coordinator (``create_global_plan`` over all W local plans), the ``.metadata`` every rank
 reads back at load, and the local save's per-rank ``.meta``. ``bench.scale`` measured them
-(process CPU seconds, one host core, fake process group; ``docs/scale.md``) for Llama-3-70B
+(process CPU seconds, one host core, fake process group; ``docs/scale.md``), and at load
+every rank's reading of ``.metadata`` and its DCP load planning for Llama-3-70B
 and DeepSeek-V3 at 1,024-16,384 ranks and fitted ``y ~ W^e``; ``data/host_costs.json`` holds
 its largest-W value and exponent per metric. Here:
 
@@ -37,6 +38,8 @@ METRICS = {
     "save_plan_default_cpu_s": "DCP save planning on the coordinator (DCP's default planner)",
     "metadata_bytes": ".metadata (read by every rank at load)",
     "local_meta_bytes": "local save: .meta per rank (no coordinator)",
+    "metadata_read_cpu_s": "load: reading .metadata, per rank",
+    "load_plan_cpu_s": "load: DCP's local load planning, per rank (onto half the ranks)",
 }
 
 
@@ -101,6 +104,8 @@ def format_host(results_by_fw: dict[str, dict]) -> str:
 
         lines.append(f"  {fw}: start-up {s('startup_cpu_s')} per rank; save planning {s('save_plan_cpu_s')} "
                      f"(DCP default planner {s('save_plan_default_cpu_s')}); .metadata {s('metadata_bytes', 'B')}"
+                     + (f"; load: reading .metadata {s('metadata_read_cpu_s')} and planning "
+                        f"{s('load_plan_cpu_s')} per rank" if h.get("metadata_read_cpu_s") is not None else "")
                      + (f"; local save .meta {s('local_meta_bytes', 'B')}/rank, no coordinator"
                         if h.get("local_meta_bytes") else "") + f"  [{h['basis']}]")
     return "\n".join(lines)
