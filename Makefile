@@ -7,11 +7,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test docs test-torch214 bench plan clean gpu-check
+.PHONY: demo test docs test-torch214 test-torch215 bench bench-torch215 plan clean gpu-check
 
-# A second torch for CI: a representative subset of the suite (placement, engine numerics and
-# patterns, checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on
-# local disk (a CUDA build; it runs on the CPU); only pytest and hypothesis come with it.
+# A second torch: a representative subset of the suite (placement, engine numerics and patterns,
+# checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on local disk (a
+# CUDA build; it runs on the CPU); only pytest and hypothesis come with it. CI runs the same subset
+# on torch 2.15.0 instead (test-torch215, below); this target stays for a manual check.
 VENV214 := .venv-torch214
 STAMP214 := $(VENV214)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH214_TESTS := tests/test_placement.py tests/test_placement_dist.py tests/test_fsdp_numerics.py \
@@ -50,8 +51,30 @@ test-torch214: $(STAMP214)
 	$(VENV214)/bin/python -c "import torch; assert torch.__version__.startswith('2.14.1'), torch.__version__"
 	$(VENV214)/bin/python -m pytest $(TORCH214_TESTS)
 
+# torch 2.15.0, the newest release: the same subset. Only PyPI has its wheel (a CUDA build, 539 MB,
+# whose libtorch_cpu.so links libcudart and libcupti and libtorch_cuda.so most CUDA libraries, so the
+# nvidia-* wheels it depends on cannot be left out: `import torch` fails without them). The machine's
+# pip constraints file caps torch at 2.14.1; PIP_CONSTRAINT=/dev/null lifts it for this venv only
+# (an empty PIP_CONSTRAINT does not).
+VENV215 := .venv-torch215
+STAMP215 := $(VENV215)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+
+$(STAMP215): pyproject.toml
+	test -x $(VENV215)/bin/python || $(PY) -m venv $(VENV215)
+	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/pip install -q torch==2.15.0
+	PIP_CONSTRAINT=/dev/null $(VENV215)/bin/pip install -q torch==2.15.0 'pytest>=8' 'hypothesis>=6' -e .
+	rm -f $(VENV215)/.installed-* && touch $@
+
+test-torch215: $(STAMP215)
+	$(VENV215)/bin/python -c "import torch; assert torch.__version__.startswith('2.15.0'), torch.__version__"
+	$(VENV215)/bin/python -m pytest $(TORCH214_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python -m ragged_fsdp bench
+
+# the side-by-side bench against torch 2.15.0's FSDP2 (and FSDP1, DDP), short form
+bench-torch215: $(STAMP215)
+	$(VENV215)/bin/python -m ragged_fsdp bench --quick
 
 plan: $(STAMP)
 	$(BIN)/python -m ragged_fsdp plan --model llama3-70b,gpt-oss-120b,deepseek-v3 --world 1024,8192 --granularity row,rows:128 --suggest
@@ -64,4 +87,4 @@ gpu-check:
 	mkdir -p $${OUT:-out} && PYTHONPATH=src timeout 240 python3 -m ragged_fsdp.bench.gpu --json $${OUT:-out}/gpu_bench.json
 
 clean:
-	rm -rf $(VENV) $(VENV214) out build src/*.egg-info
+	rm -rf $(VENV) $(VENV214) $(VENV215) out build src/*.egg-info

@@ -6,7 +6,7 @@ stock config function for FSDP2, and from the ragged module's config function of
 name) trains from one seed checkpoint; losses, gradient norms and final parameters are
 compared, and DCP checkpoints (model, optimizer, data loader, step) written by each framework
 are resumed by the other. CPU stand-ins: ragged_fsdp's CPU mode
-(``ragged_fsdp.integrations.torchtitan.cpu``); ``tests/_torchtitan_cpu.py`` records the runs.
+(``ragged_fsdp.integrations.torchtitan.cpu``); ``ragged_fsdp.integrations.torchtitan.compare`` records the runs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ BOUNDS = dict(loss_rtol=LOSS_RTOL, norm_rtol=NORM_RTOL, logged_rtol=LOGGED_NORM_
 
 
 def _train_both_ways(model: str, rank: int, world: int) -> None:
-    import _torchtitan_cpu as h
+    from ragged_fsdp.integrations.torchtitan import compare as h
 
     root = os.environ["RAGGED_TT_ROOT"]
     # torchtitan's default ChunkedLossWrapper runs norm (in the decoder) and lm_head (in the
@@ -253,27 +253,121 @@ def test_shard_placement_result_keeps_its_placement_as_granularity():
         granularity_from_placement(p, Replicate(), "w")
 
 
-def test_cpu_mode_command_line(tmp_path):
-    """The documented CPU command trains (torchrun, 2 gloo ranks, 2-way FSDP,
-    2 steps) and logs a finite loss each step; the start-up notice about the backend appears
-    once."""
-    import re
+def _torchrun():
     import shutil
-    import subprocess
     import sys
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun not found")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
-           "RAGGED_FSDP_ASSETS": str(tmp_path / "assets")}
-    cmd = [torchrun, "--standalone", "--nproc_per_node", "2", "-m", "ragged_fsdp.integrations.torchtitan.cpu",
+    return torchrun
+
+
+def _env(tmp_path):
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), "src") if p),
+            "RAGGED_FSDP_ASSETS": str(tmp_path / "assets")}
+
+
+def test_cpu_mode_command_line(tmp_path):
+    """The documented CPU command trains (torchrun, 2 gloo ranks, 2-way FSDP,
+    2 steps) and logs a finite loss each step; the start-up notice about the backend appears
+    once. Each rank's stdout goes to a file (torchrun --redirects): no ANSI colour codes in
+    either, rank 0 logs torchtitan's info lines, rank 1 none of them."""
+    import glob
+    import subprocess
+
+    logs = tmp_path / "logs"
+    cmd = [_torchrun(), "--standalone", "--nproc_per_node", "2", "--redirects", "3", "--log-dir", str(logs),
+           "-m", "ragged_fsdp.integrations.torchtitan.cpu",
            "--module", "ragged_fsdp.integrations.torchtitan", "--config", "llama3_debugmodel",
            "--training.steps", "2", "--training.local_batch_size", "2", "--training.seq_len", "64",
            "--validator.no-enable", "--checkpoint.no-enable", "--dump_folder", str(tmp_path / "out")]
+    env = _env(tmp_path)
+    env.pop("RAGGED_FSDP_LOG_ALL_RANKS", None)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    out = r.stdout + r.stderr
+    rank_out = {}
+    for rank in (0, 1):
+        found = glob.glob(str(logs / "**" / str(rank) / "stdout.log"), recursive=True)
+        assert len(found) == 1, (rank, found, r.stdout[-2000:], r.stderr[-2000:])
+        rank_out[rank] = open(found[0]).read()
+    out = r.stdout + r.stderr + rank_out[0] + rank_out[1]
     assert r.returncode == 0, out[-4000:]
-    losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", re.sub(r"\x1b\[[0-9;]*m", "", out))]
-    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), out[-4000:]
+    assert "\x1b[" not in out, [ln for ln in out.splitlines() if "\x1b[" in ln][:5]
+    losses = [float(x) for x in re.findall(r"step:\s*\d+\s+loss:\s*([0-9.]+)", rank_out[0])]
+    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), rank_out[0][-4000:]
     assert out.count("spmd_backend is partial_dtensor") == 1, out[-4000:]
+    info = re.compile(r"^\[titan\] .* - INFO - ", re.M)
+    assert len(info.findall(rank_out[0])) >= 10, rank_out[0][-4000:]
+    assert not info.findall(rank_out[1]), rank_out[1][-4000:]
+
+
+def test_log_on_rank_zero(monkeypatch):
+    """Ranks other than 0 log warnings only; RAGGED_FSDP_LOG_ALL_RANKS=1 gives them back."""
+    import logging
+
+    from ragged_fsdp.integrations.torchtitan.cpu import log_on_rank_zero
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.INFO)
+    for rank, every, quiet, level in [("0", None, False, logging.INFO), ("1", None, False, logging.WARNING),
+                                      ("1", "1", False, logging.INFO), ("0", None, True, logging.WARNING)]:
+        root.setLevel(logging.INFO)
+        monkeypatch.setenv("RANK", rank)
+        if every is None:
+            monkeypatch.delenv("RAGGED_FSDP_LOG_ALL_RANKS", raising=False)
+        else:
+            monkeypatch.setenv("RAGGED_FSDP_LOG_ALL_RANKS", every)
+        log_on_rank_zero(quiet=quiet)
+        assert root.level == level, (rank, every, quiet)
+
+
+def test_colour_off_when_stdout_is_not_a_terminal(monkeypatch):
+    import io
+    import sys
+
+    from ragged_fsdp.integrations.torchtitan import llama3_debugmodel
+    from ragged_fsdp.integrations.torchtitan.cpu import cpu_defaults
+
+    class _Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert cpu_defaults(llama3_debugmodel()).metrics.disable_color_printing is True
+    monkeypatch.setattr(sys, "stdout", _Tty())
+    assert cpu_defaults(llama3_debugmodel()).metrics.disable_color_printing is False
+
+
+def test_compare_command(tmp_path):
+    """The documented comparison command (2 ranks, 2 steps, seq 64): one seed checkpoint,
+    both frameworks from it; its printed table and JSON agree within the bounds of the
+    training comparison above."""
+    import subprocess
+    import sys
+
+    out_file = tmp_path / "stdout.txt"
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "ragged_fsdp.integrations.torchtitan.compare", "--config", "llama3_debugmodel",
+           "--nproc", "2", "--steps", "2", "--seq-len", "64", "--batch", "2", "--json", str(report),
+           "--rtol", str(LOSS_RTOL)]
+    with open(out_file, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(tmp_path), timeout=600)
+    out = out_file.read_text()
+    assert r.returncode == 0, out[-4000:]
+    assert "\x1b[" not in out
+    rep = json.loads(report.read_text())
+    assert [row["step"] for row in rep["rows"]] == [1, 2], rep
+    assert rep["world"] == 2 and rep["spmd_backend"] == "partial_dtensor" and rep["same_parameter_names"]
+    for row in rep["rows"]:
+        assert row["loss"]["rel"] <= LOSS_RTOL, row
+        assert row["grad_norm"]["rel"] <= NORM_RTOL, row
+        assert row["logged_grad_norm"]["rel"] <= LOGGED_NORM_RTOL, row
+    assert rep["max_rel"]["param_abs"] <= PARAM_ATOL, rep["max_rel"]
+    # the printed table: one line per step with both losses and their relative difference
+    table = [ln.split() for ln in out.splitlines() if re.match(r"^\s+[12]\s+\d+\.\d{6}\s", ln)]
+    assert len(table) == 2, out[-3000:]
+    for cols, row in zip(table, rep["rows"]):
+        assert float(cols[1]) == pytest.approx(row["loss"]["fsdp2"], abs=1e-6)
+        assert float(cols[2]) == pytest.approx(row["loss"]["ragged"], abs=1e-6)
+        assert float(cols[3]) <= LOSS_RTOL
+    assert "max rel. diff: loss" in out

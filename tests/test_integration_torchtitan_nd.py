@@ -80,7 +80,7 @@ def _seed(h, model: str, fsdp2_fn, assets: str, root: str) -> str:
 
 
 def _run_config(name: str, rank: int) -> None:
-    import _torchtitan_cpu as h
+    from ragged_fsdp.integrations.torchtitan import compare as h
 
     model, par, seq_len, resume, dtype = CONFIGS[name]
     root = os.environ["RAGGED_TT_ROOT"]

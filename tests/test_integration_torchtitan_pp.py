@@ -28,7 +28,7 @@ PARALLELISM = dict(pipeline_parallel_degree=2, data_parallel_shard_degree=2, pip
 
 
 def case_pp_1f1b(rank, world):
-    import _torchtitan_cpu as h
+    from ragged_fsdp.integrations.torchtitan import compare as h
 
     root = os.environ["RAGGED_TT_ROOT"]
     fsdp2_fn, ragged_fn = h.registries("llama3")

@@ -26,6 +26,10 @@ process that runs it:
   ``~/.cache/ragged_fsdp/torchtitan_cpu``); ``--training.disable_cuda_graphs`` (torchtitan's
   config check refuses EP and PP without it); data-loader workers 0.
 - rank 0's 2 s sleep at the end of ``Trainer.train`` is skipped.
+- logging: rank 0 logs what torchtitan logs, the other ranks warnings and errors only
+  (``RAGGED_FSDP_LOG_ALL_RANKS=1``: every rank logs everything, as torchtitan does); when
+  stdout is not a terminal, ``--metrics.disable_color_printing`` is on (torchtitan's metrics
+  and start-up lines colour with ANSI codes otherwise), which the command line still overrides.
 - pipeline schedules: torchtitan's trainer calls ``pp_schedule.step(arg_mbs=...,
   kwarg_mbs=..., target_mbs=...)`` with pre-split micro-batches; torch 2.13's ``step`` takes
   a whole batch to split (it would read those names as model inputs). A call with those
@@ -45,7 +49,19 @@ import torch.distributed as dist
 
 from .assets import make_assets
 
-__all__ = ["patch_for_cpu", "cpu_defaults", "main"]
+__all__ = ["patch_for_cpu", "cpu_defaults", "log_on_rank_zero", "main"]
+
+ALL_RANKS_ENV = "RAGGED_FSDP_LOG_ALL_RANKS"
+
+
+def log_on_rank_zero(quiet: bool = False) -> None:
+    """After torchtitan's ``init_logger``: ranks other than 0 (``$RANK``) log warnings and errors
+    only, unless ``$RAGGED_FSDP_LOG_ALL_RANKS`` is 1; ``quiet``: every rank does."""
+    import logging
+
+    every = os.environ.get(ALL_RANKS_ENV, "").strip().lower() in ("1", "true", "yes")
+    if quiet or (not every and int(os.environ.get("RANK", "0")) != 0):
+        logging.getLogger().setLevel(logging.WARNING)  # torchtitan's logger is the root logger
 
 
 class _CPUDeviceModule:
@@ -218,7 +234,17 @@ def cpu_defaults(cfg, assets: str | None = None):
     if dl is not None and hasattr(dl, "num_workers"):
         dl.num_workers = 0
     cfg.training.disable_cuda_graphs = True
+    metrics = getattr(cfg, "metrics", None)
+    if metrics is not None and hasattr(metrics, "disable_color_printing") and not _is_terminal(sys.stdout):
+        metrics.disable_color_printing = True
     return cfg
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -235,11 +261,19 @@ def main(argv: list[str] | None = None) -> None:
         return cpu_defaults(cfg), rest
 
     manager.ConfigManager._load_config = _load_config
+    init_logger = train.init_logger
+
+    def _init_logger():
+        init_logger()
+        log_on_rank_zero()
+
+    train.init_logger = _init_logger
     sys.argv = [sys.argv[0]] + argv
     try:
         train.main()
     finally:
         manager.ConfigManager._load_config = load
+        train.init_logger = init_logger
 
 
 if __name__ == "__main__":
