@@ -241,7 +241,14 @@ def _run(args) -> dict:
             counts[fw] = {"hook_calls": dict(phases.calls), "python_calls": counter.py, "aten_ops": counter.ops,
                           "new_tensors": counter.tensors, "dtensors_built": counter.dtensors}
     med = statistics.median
+    per_block = 1e3 / blocks
+    rows = [{"phase": p, "framework": fw, "cpu_ms": 1e3 * med(per_phase[fw][p]),
+             "us_per_block": 1e3 * per_block * med(per_phase[fw][p]),
+             "hook_calls": counts[fw]["hook_calls"][p] if p != "compute" else "-",
+             **{k: counts[fw][k][p] for k in ("python_calls", "aten_ops", "new_tensors", "dtensors_built")}}
+            for p in PHASES for fw in FRAMEWORKS]
     return {
+        "rows": rows,
         "world": world, "model": args.model, "optim": args.optim, "blocks": blocks, "rounds": args.rounds, "steps": args.steps,
         "wall_ratio": med(a / b for a, b in zip(wall["ragged_fsdp"], wall["fsdp2"])),
         "cpu_ratio": med(a / b for a, b in zip(cpu["ragged_fsdp"], cpu["fsdp2"])),
@@ -294,6 +301,10 @@ def main(argv=None) -> None:
         if dist.get_rank() == 0:
             print(render(res))
             if args.json:
+                from .meta import run_meta
+
+                res["meta"] = run_meta(f"torchrun --nproc_per_node {dist.get_world_size()} -m ragged_fsdp.bench.host_cost "
+                                       + " ".join(sys.argv[1:]))
                 os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
                 with open(args.json, "w") as f:
                     json.dump(res, f, indent=1)
