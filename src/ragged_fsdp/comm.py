@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -64,9 +65,17 @@ class Comm:
         if self.gloo:
             return self.group
         if self._host is None:
-            ranks = dist.get_process_group_ranks(self.group)
-            self._host = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            # one per process group, shared by every Comm on it (each fully_shard call has its own)
+            host = _HOST_GROUPS.get(self.group)
+            if host is None:
+                ranks = dist.get_process_group_ranks(self.group)
+                host = _HOST_GROUPS[self.group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+            self._host = host
         return self._host
+
+
+# process group -> its gloo twin for host flags (weak: a destroyed group takes its twin along)
+_HOST_GROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup]" = weakref.WeakKeyDictionary()
 
 
 def all_to_all_flat(flat: torch.Tensor, send: Sequence[int], recv: Sequence[int], group) -> torch.Tensor:

@@ -309,9 +309,13 @@ class Reductions:
         describe = {id(u): g._describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
         self.issued = []
-        by_dp: dict[int, list[Reduction]] = {}
+        # one flag all-reduce per set of process groups, not per DPMesh object: every
+        # fully_shard call makes its own DPMesh over the same groups, and a blocking host
+        # all-reduce per group and step is a round trip per block at the end of backward
+        by_dp: dict[tuple, list[Reduction]] = {}
         for r in issued:
-            by_dp.setdefault(id(r.dp), []).append(r)
+            key = (id(r.dp.shard.group), id(r.dp.replicate.group) if r.dp.replicate is not None else None)
+            by_dp.setdefault(key, []).append(r)
         for items in by_dp.values():
             dp = items[0].dp
             # per reduction, also (early, not early): every rank must have issued it at the
