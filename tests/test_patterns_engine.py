@@ -260,8 +260,15 @@ def case_compile_eager_and_aot_eager(rank, world):
     for backend in ("eager", "aot_eager"):
         torch._dynamo.reset()
         compare_steps(rank, world, lambda: Llama(_tiny()), _compiled(backend), _plain_step, steps=2)
+    # per-block compile (torchtitan's way): the engine's hooks cause no graph break, and each
+    # identical block reuses one graph
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     compare_steps(rank, world, lambda: Llama(_tiny()), _compiled("aot_eager", whole=False), _plain_step, steps=2)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
 def case_compile_inductor(rank, world):

@@ -268,8 +268,32 @@ def case_detach_is_a_new_tensor(rank, world):
     assert d.to_local().data_ptr() == prm.to_local().data_ptr()
 
 
+def case_local_op_results(rank, world):
+    """What a local op hands back: ``out=`` gets the out tensor, foreach ops a list whose i-th
+    result has the i-th input's layout, out-of-place ops a new tensor; a mismatch is named."""
+    mesh = init_device_mesh("cpu", (world,))
+    layouts = _layouts(world)
+    fulls = [torch.rand(shape, generator=torch.Generator().manual_seed(400 + i)) + 0.5
+             for i, (shape, _) in enumerate(layouts)]
+    ts = [rf.distribute_tensor(f, mesh, [p]) for f, (_, p) in zip(fulls, layouts)]
+    out = torch.zeros_like(ts[0])
+    got = torch.sqrt(ts[0], out=out)
+    assert got is out and torch.equal(out.full_tensor(), fulls[0].sqrt())
+    sums = torch._foreach_add(ts, ts)
+    assert all(s.placements == t.placements and torch.equal(s.full_tensor(), 2 * f)
+               for s, t, f in zip(sums, ts, fulls))
+    r = torch.addcmul(ts[1], ts[1], ts[1], value=0.5)
+    assert r is not ts[1] and torch.equal(r.full_tensor(), torch.addcmul(fulls[1], fulls[1], fulls[1], value=0.5))
+    ts[2].mul_(torch.tensor(2.0))  # a 0-d plain tensor joins a ragged op
+    assert torch.equal(ts[2].full_tensor(), fulls[2] * 2)
+    with pytest.raises(ValueError, match="plain tensor of shape"):
+        ts[3].add_(torch.ones(ts[3].shape))
+    with pytest.raises(ValueError, match="shapes differ"):
+        torch._foreach_add_([ts[0], ts[0]], [ts[0], ts[2]])
+
+
 CASES = [
-    case_detach_is_a_new_tensor,
+    case_detach_is_a_new_tensor, case_local_op_results,
     case_round_trip, case_redistribute, case_redistribute_autograd,
     case_optimizers_match_full_tensors, case_bf16_optimizer, case_clip_grad_norm,
     case_reductions_and_factories, case_random_init_is_world_size_independent, case_bad_input,

@@ -288,7 +288,9 @@ def _rewrap(func, out, args, kwargs, specs):
     if kind == "inplace":
         # In-place: hand back the mutated input object, as torch does. (A non-writing
         # alias such as detach must be a new tensor, or detaching would flip the
-        # parameter's own requires_grad.)
+        # parameter's own requires_grad.) An out= variant writes, and returns, its out.
+        if "out" in kwargs:
+            return kwargs["out"]
         return args[0] if args else kwargs["self"]
     if isinstance(out, (list, tuple)):
         foreach = func.__name__.startswith("_foreach_")
