@@ -120,11 +120,14 @@ def test_many_row_chunks_of_a_wide_tensor():
     2,000 ranks, loaded by one rank of 1,000 (the vectorised index), and by rank-sized
     pieces of 40 chunks (the small index)."""
     rng = random.Random(5)
-    for shape, parts in [((6000, 700), 2000), ((300, 700), 40)]:
-        saved = [c for c in _runs(shape, parts, rng, unit=shape[1]) if math.prod(c.sizes)]
+    for shape, parts, shuffle in [((6000, 700), 2000, False), ((300, 700), 40, False), ((3000, 7, 5), 900, True)]:
+        unit = math.prod(shape[1:])
+        saved = [c for c in _runs(shape, parts, rng, unit=unit) if math.prod(c.sizes)]
+        if shuffle:  # chunk order in .metadata is not relied on
+            rng.shuffle(saved)
         rows = shape[0]
         for r in (0, 1, rows // 2, rows - 3):
-            local = [_chunk((r, 0), (min(3, rows - r), shape[1]))]
+            local = [_chunk((r,) + (0,) * (len(shape) - 1), (min(3, rows - r),) + shape[1:])]
             items, stats = _same(shape, saved, local, fast=True)
             assert items and stats["pairs"] == len(items)  # only the overlapping pairs are compared
             assert stats["pairs"] < len(saved) / 10  # DCP compares all len(saved) here
