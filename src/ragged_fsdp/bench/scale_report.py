@@ -218,6 +218,8 @@ def sim_table(summary: dict, meta: dict | None = None) -> dict:
             entry["worlds"].append(c["world"])
         cfg = entry["configs"].setdefault(c["config"], {})
         for key, (name, k) in _SIM.items():
+            if key == "load_cpu_s" and c["config"].startswith("ours") and c.get("load_scale_cpu_s") is not None:
+                key = "load_scale_cpu_s"  # our load functions plan with ScaleLoadPlanner
             if c.get(key) is None:
                 continue
             m = cfg.setdefault(name, {"points": [], "exponent": exps.get((c["model"], c["config"], key))})
