@@ -22,7 +22,8 @@ granularity) against torch's FSDP2 on the same 1-D mesh:
    (FSDP2's only up to W=4,096, then **extrapolated** with the fitted exponent: at 16,384 it
    would run for hours).
 3. a load planned onto W/2 ranks from each W's metadata (``--load-to`` for the largest): each sampled rank's
-   ``create_read_items_for_chunk_list`` work and its plan's bytes, and reading ``.metadata``;
+   ``create_read_items_for_chunk_list`` work (DCP's) and ``ScaleLoadPlanner``'s on the same chunks
+   (checked to give the same read items), its plan's bytes, and reading ``.metadata``;
    the same for ``checkpoint.load_local`` (no coordinator at all).
 
 Everything that was extrapolated says so in its row (``measured`` / ``scaled x N`` /
@@ -235,7 +236,8 @@ def _load_rows(groups, part, world, fw, gran, md, saved) -> dict:
     for r in sorted({0, world // 2, world - 1}):
         c = ragged_chunks(part, target, world, [r])[r] if target else fsdp2_chunks(part, world, r)
         got = scale_dcp.load_plan_rank(md, c)
-        out["ranks"][r] = {k: v * factor for k, v in got.items()}
+        out["ranks"][r] = {k: v if isinstance(v, bool) or k == "fallback_tensors" else v * factor
+                           for k, v in got.items()}
     out["metadata_read_cpu_s"] = saved["metadata_read_cpu_s"]
     out["gathered_bytes"] = statistics.mean(v["plan_bytes"] for v in out["ranks"].values()) * world
     return out

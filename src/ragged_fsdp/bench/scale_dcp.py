@@ -3,8 +3,8 @@
 ``dcp.save`` gathers every rank's local ``SavePlan`` on the coordinator, which runs
 ``create_global_plan`` (dedup, one ``TensorStorageMetadata`` per tensor with every chunk,
 the overlap check) and writes the result as ``.metadata``; ``dcp.load`` makes every rank read
-that file and match its own chunks against it (``create_read_items_for_chunk_list``), then
-gathers the load plans too. All of that is pure given the chunks, so the local plans are
+that file and match its own chunks against it (``create_read_items_for_chunk_list``, or
+``ScaleLoadPlanner``'s index, the default of our load functions), then gathers the load plans too. All of that is pure given the chunks, so the local plans are
 built here from the layout math (``scale_layout``) with DCP's own item types, and DCP's own
 functions are timed on them.
 
@@ -82,18 +82,31 @@ def coordinator_save(plans: list[SavePlan], planner_cls=DefaultSavePlanner) -> d
 
 
 def load_plan_rank(metadata, chunks: Sequence[Chunk]) -> dict:
-    """One rank's ``create_local_plan`` for a load: DCP matches each of its chunks against
-    every saved chunk of that tensor. CPU seconds, read items and the pickled plan's bytes
-    (what the load gathers on the coordinator)."""
+    """One rank's ``create_local_plan`` for a load, both ways: DCP's matching
+    (``create_read_items_for_chunk_list``: each of its chunks against every saved chunk of
+    that tensor still active in DCP's sweep, all of them for row chunks of a wide tensor) and
+    ``ScaleLoadPlanner``'s (a sorted index of the tensor's saved runs, bisected). CPU seconds
+    of each, read items, the pickled plan's bytes (what the load gathers on the coordinator),
+    the chunk pairs ours compared, and whether the two plans are equal (they must be)."""
+    from ragged_fsdp.checkpoint.scale_planner import read_items_for_chunk_list
+
     by_fqn: dict[str, list[ChunkStorageMetadata]] = {}
     for fqn, off, sz in chunks:
         by_fqn.setdefault(fqn, []).append(ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(sz)))
+    sd_md = metadata.state_dict_metadata
     t0 = time.process_time()
     items = []
     for fqn, local in by_fqn.items():
-        items += create_read_items_for_chunk_list(fqn, metadata.state_dict_metadata[fqn], local)
+        items += create_read_items_for_chunk_list(fqn, sd_md[fqn], local)
     cpu = time.process_time() - t0
-    return {"cpu_s": cpu, "read_items": len(items),
+    stats: dict = {}
+    t1 = time.process_time()
+    ours = []
+    for fqn, local in by_fqn.items():
+        ours += read_items_for_chunk_list(fqn, sd_md[fqn], local, stats)
+    cpu_scale = time.process_time() - t1
+    return {"cpu_s": cpu, "cpu_s_scale": cpu_scale, "read_items": len(items), "pairs_scale": stats.get("pairs", 0),
+            "fallback_tensors": stats.get("fallback", 0), "same_plan": ours == items,
             "plan_bytes": len(pickle.dumps(LoadPlan(items), protocol=pickle.HIGHEST_PROTOCOL))}
 
 

@@ -29,6 +29,7 @@ METRICS = (
     ("metadata_mb", ".metadata", 1, "MB"),
     ("metadata_read_cpu_s", "reading .metadata CPU/rank", 1, "s"),
     ("load_cpu_s", "DCP load planning CPU/rank (max)", 1, "s"),
+    ("load_scale_cpu_s", "ScaleLoadPlanner load planning CPU/rank (max)", 1, "s"),
     ("local_meta_kb", "local save .meta/rank", 1, "KB"),
 )
 
@@ -83,6 +84,12 @@ def summarize(setup: list[dict], planning: list[dict]) -> dict:
                          "read_items_max": max(v["read_items"] for v in ld["ranks"].values()),
                          "gathered_mb": ld["gathered_bytes"] / 1e6, "metadata_read_cpu_s": ld["metadata_read_cpu_s"]}
             c["load_cpu_s"] = c["load"]["rank_cpu_s_max"]
+            ranks = ld["ranks"].values()
+            if all("cpu_s_scale" in v for v in ranks):  # ScaleLoadPlanner measured too (not in older runs)
+                c["load"].update(rank_cpu_s_scale_max=max(v["cpu_s_scale"] for v in ranks),
+                                 pairs_scale_max=max(v["pairs_scale"] for v in ranks),
+                                 same_plan=all(v["same_plan"] for v in ranks))
+                c["load_scale_cpu_s"] = c["load"]["rank_cpu_s_scale_max"]
         if "local_save" in r:
             ls = r["local_save"]
             c["local_meta_kb"] = ls["meta_bytes_per_rank"] / 1e3
@@ -211,6 +218,8 @@ def sim_table(summary: dict, meta: dict | None = None) -> dict:
             entry["worlds"].append(c["world"])
         cfg = entry["configs"].setdefault(c["config"], {})
         for key, (name, k) in _SIM.items():
+            if key == "load_cpu_s" and c["config"].startswith("ours") and c.get("load_scale_cpu_s") is not None:
+                key = "load_scale_cpu_s"  # our load functions plan with ScaleLoadPlanner
             if c.get(key) is None:
                 continue
             m = cfg.setdefault(name, {"points": [], "exponent": exps.get((c["model"], c["config"], key))})

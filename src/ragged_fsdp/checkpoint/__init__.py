@@ -23,7 +23,9 @@
   its part of the metadata, a few numbers per tensor whatever W is) that loads at any world
   size, bitwise; ``ScaleSavePlanner``: DCP's save planner with a coordinator check that stays
   O(n log n) in a tensor's chunks (DCP's own compares every pair for row chunks of wide
-  tensors). See ``docs/scale.md``.
+  tensors); ``ScaleLoadPlanner``: DCP's load planner, the default of ``load`` /
+  ``load_latest`` / ``read_full``, matching each local chunk against a sorted index of a
+  tensor's saved runs instead of all of them. See ``docs/scale.md``.
 * ``async_save``: ``dcp.async_save`` with a stager that keeps RaggedShard layouts (torch's
   default stager copies through ``new_empty`` and loses them).
 """
@@ -47,7 +49,7 @@ from .state_dict import (
 from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
 from .local_save import LocalCheckpointError, load_local, local_parts, save_local
-from .scale_planner import ScaleSavePlanner
+from .scale_planner import ScaleLoadPlanner, ScaleSavePlanner
 
 __all__ = [
     "Checkpoint", "CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError", "CheckpointWarning", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
@@ -56,5 +58,5 @@ __all__ = [
     "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",
     "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",
     "set_optimizer_state_dict", "set_state_dict", "torch_save_to_dcp",
-    "LocalCheckpointError", "load_local", "local_parts", "save_local", "ScaleSavePlanner",
+    "LocalCheckpointError", "load_local", "local_parts", "save_local", "ScaleLoadPlanner", "ScaleSavePlanner",
 ]

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ._tree import set_element
 from .atomic import save
 from .errors import CheckpointWarning
-from .scale_planner import default_save_planner
+from .scale_planner import default_load_planner, default_save_planner
 from .integrity import ChecksummedWriter
 from .listing import scan
 from .strict import dcp_load_verified, quiet_single_process, read_metadata
@@ -71,7 +71,7 @@ def read_full(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]
     if not flat:
         tops = sorted({str(tuple(paths.get(k, (k,)))[0]) for k in md.state_dict_metadata})
         raise KeyError(f"{path} has no top-level key {key!r}; it has {tops}")
-    dcp_load_verified(flat, path, planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    dcp_load_verified(flat, path, planner=default_load_planner(allow_partial_load=True), no_dist=True)
     nested: dict[str, Any] = {}
     for k, v in flat.items():
         set_element(nested, tuple(paths.get(k, (k,))), v)

@@ -10,6 +10,7 @@ from .atomic import _bcast, _rank, _use_dist
 from .convert import read_full
 from .errors import CheckpointWarning
 from .listing import _PARTIAL, Checkpoint, scan
+from .scale_planner import load_planner_error
 from .strict import load as _strict_load
 
 __all__ = ["load_latest"]
@@ -24,6 +25,7 @@ def load_latest(
     strict: bool = True,
     missing_ok: bool = False,
     process_group=None,
+    planner=None,
 ) -> Checkpoint | None:
     """Load the newest published checkpoint under ``root``.
 
@@ -46,7 +48,13 @@ def load_latest(
     checkpoint out of the listing before deleting it, and a checkpoint that vanishes while
     it is read is retried from a fresh listing (single process, ``state`` None or
     ``strict``; up to 5 listings). Otherwise that case raises ``FileNotFoundError`` saying
-    so; never an error from inside DCP."""
+    so; never an error from inside DCP.
+
+    ``planner``: a DCP ``LoadPlanner`` for loading into ``state``; default
+    :class:`ScaleLoadPlanner` (see :func:`ragged_fsdp.checkpoint.load`)."""
+    err = load_planner_error("load_latest", planner)
+    if err:
+        raise ValueError(err)
     root = os.fspath(root)
     for _ in range(_ATTEMPTS):
         found = _locate(root, missing_ok, process_group)
@@ -56,7 +64,7 @@ def load_latest(
             if state is None:
                 found.state = read_full(found.path)
             else:
-                _strict_load(state, found.path, strict=strict, process_group=process_group)
+                _strict_load(state, found.path, strict=strict, process_group=process_group, planner=planner)
                 found.state = state
             return found
         except Exception as e:

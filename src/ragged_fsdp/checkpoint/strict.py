@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, ChecksummedReader
+from .scale_planner import default_load_planner, load_planner_error
 
 __all__ = [
     "CheckpointMismatchError", "check_state", "dcp_load_verified", "load", "read_metadata",
@@ -134,16 +135,26 @@ def stateful_to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
 
 
-def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True, process_group=None) -> None:
+def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True, process_group=None,
+         planner=None) -> None:
     """``dcp.load(state, checkpoint_id=path)`` that checks keys and shapes first (both ways
-    when ``strict``) and then calls ``load_state_dict`` on Stateful values, as DCP does."""
+    when ``strict``) and then calls ``load_state_dict`` on Stateful values, as DCP does.
+
+    ``planner``: a DCP ``LoadPlanner``; default :class:`ScaleLoadPlanner` (DCP's
+    ``DefaultLoadPlanner`` with the same plans, whose matching does not compare each local
+    chunk with every saved chunk of a tensor; ``allow_partial_load=not strict``). Yours is
+    used as given (with ``strict=False`` give it ``allow_partial_load=True``)."""
+    err = load_planner_error("load", planner)
+    if err:
+        raise ValueError(err)
     path = os.fspath(path)
     sd = stateful_to_state_dict(state)
     md = read_metadata(path)
     # Shapes are compared either way (DCP's own complaint is a traceback inside its
     # exception message); with strict=False, keys on one side only are allowed.
     check_state(sd, md, where=path, keys=strict)
-    planner = None if strict else dcp.DefaultLoadPlanner(allow_partial_load=True)
+    if planner is None:
+        planner = default_load_planner(allow_partial_load=not strict)
     import torch.distributed as dist
 
     no_dist = not (dist.is_available() and dist.is_initialized())

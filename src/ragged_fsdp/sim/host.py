@@ -39,7 +39,8 @@ METRICS = {
     "metadata_bytes": ".metadata (read by every rank at load)",
     "local_meta_bytes": "local save: .meta per rank (no coordinator)",
     "metadata_read_cpu_s": "load: reading .metadata, per rank",
-    "load_plan_cpu_s": "load: DCP's local load planning, per rank (onto half the ranks)",
+    "load_plan_cpu_s": "load: local load planning, per rank, onto half the ranks (ScaleLoadPlanner for ragged, "
+                       "DCP's default for FSDP2)",
 }
 
 
