@@ -214,6 +214,24 @@ def _rank_by_rank_ok(S, off, n, counts, unit, W):
     return True
 
 
+def _from_plan_accepts(S, off, n, placement, W) -> bool:
+    """Whether BufferLayout.from_plan takes a 1-D tensor of n elements at ``off`` in a buffer
+    of W segments of S elements, placed by ``placement``."""
+
+    class Given:
+        segment = S
+        offsets = {"x": off}
+
+        def placement(self, name):
+            return placement
+
+    try:
+        BufferLayout.from_plan(Given(), [("x", (n,))], W, 0)
+    except ValueError:
+        return False
+    return True
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 20), st.integers(1, 3), st.integers(4, 24),
        st.lists(st.tuples(st.integers(0, 8), st.integers(1, 9)), min_size=1, max_size=6))
@@ -233,20 +251,8 @@ def test_run_by_run_check_refuses_what_the_rank_by_rank_check_refuses(S, off, un
     if n == 0 or off + n > W * S:
         return
 
-    class Given:
-        segment = S
-        offsets = {"x": off}
-
-        def placement(self, name):
-            return RaggedShard((0,), counts, unit)
-
     ok = _rank_by_rank_ok(S, off, n, tuple(counts), unit, W)
-    try:
-        BufferLayout.from_plan(Given(), [("x", (n,))], W, 0)
-        accepted = True
-    except ValueError:
-        accepted = False
-    assert accepted == ok, (S, off, unit, W, counts.runs())
+    assert _from_plan_accepts(S, off, n, RaggedShard((0,), counts, unit), W) == ok, (S, off, unit, W, counts.runs())
 
 
 def test_run_by_run_check_on_right_layouts_and_one_unit_moved():
@@ -277,20 +283,7 @@ def test_run_by_run_check_on_right_layouts_and_one_unit_moved():
                 counts[i] -= 1
                 counts[j] += 1
         placement = RaggedShard((0,), RunCounts([(c, 1) for c in counts]), unit)
-
-        class Given:
-            segment = S
-            offsets = {"x": off}
-
-            def placement(self, name):
-                return placement
-
         ok = _rank_by_rank_ok(S, off, n, tuple(counts), unit, W)
-        try:
-            BufferLayout.from_plan(Given(), [("x", (n,))], W, 0)
-            accepted = True
-        except ValueError:
-            accepted = False
-        assert accepted == ok, (S, off, n, unit, counts)
+        assert _from_plan_accepts(S, off, n, placement, W) == ok, (S, off, n, unit, counts)
         seen[ok] += 1
     assert seen[True] > 1000 and seen[False] > 300, seen

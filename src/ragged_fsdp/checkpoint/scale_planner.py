@@ -116,14 +116,18 @@ def planner_error(fn: str, planner) -> str | None:
     load planner, anything else), or None."""
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    if planner is None or isinstance(planner, SavePlanner):
+    return _planner_error(fn, planner, SavePlanner, "ScaleSavePlanner", "DefaultSavePlanner")
+
+
+def _planner_error(fn: str, planner, base: type, ours: str, dcps: str) -> str | None:
+    if planner is None or isinstance(planner, base):
         return None
-    if isinstance(planner, type) and issubclass(planner, SavePlanner):
+    if isinstance(planner, type) and issubclass(planner, base):
         return (f"{fn}: planner={planner.__name__} is a class; pass an instance, "
-                f"planner={planner.__name__}(), or leave it out for ScaleSavePlanner()")
-    return (f"{fn}: planner must be a torch.distributed.checkpoint SavePlanner instance "
-            f"(e.g. ScaleSavePlanner() or DefaultSavePlanner()), got {type(planner).__name__}; "
-            "leave it out for the default ScaleSavePlanner()")
+                f"planner={planner.__name__}(), or leave it out for {ours}()")
+    return (f"{fn}: planner must be a torch.distributed.checkpoint {base.__name__} instance "
+            f"(e.g. {ours}() or {dcps}()), got {type(planner).__name__}; "
+            f"leave it out for the default {ours}()")
 
 
 # -- load ----------------------------------------------------------------------------------
@@ -405,11 +409,4 @@ def load_planner_error(fn: str, planner) -> str | None:
     """Why ``planner`` cannot be a load planner, or None."""
     from torch.distributed.checkpoint.planner import LoadPlanner
 
-    if planner is None or isinstance(planner, LoadPlanner):
-        return None
-    if isinstance(planner, type) and issubclass(planner, LoadPlanner):
-        return (f"{fn}: planner={planner.__name__} is a class; pass an instance, "
-                f"planner={planner.__name__}(), or leave it out for ScaleLoadPlanner()")
-    return (f"{fn}: planner must be a torch.distributed.checkpoint LoadPlanner instance "
-            f"(e.g. ScaleLoadPlanner() or DefaultLoadPlanner()), got {type(planner).__name__}; "
-            "leave it out for the default ScaleLoadPlanner()")
+    return _planner_error(fn, planner, LoadPlanner, "ScaleLoadPlanner", "DefaultLoadPlanner")
