@@ -110,7 +110,7 @@ def _claim(target, where: str) -> str | None:
     with _busy_lock:
         if key in _busy:
             raise CheckpointLockedError(
-                f"async_save: {where} is still being written by an earlier async_save of this process; wait "
+                f"async_save: {key} is still being written by an earlier async_save of this process; wait "
                 "for the first future (future.result()) before saving there again, or give this save another "
                 "checkpoint_id. Nothing was written or deleted")
         _busy.add(key)
