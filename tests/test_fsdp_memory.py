@@ -87,6 +87,44 @@ def case_embedding_group_recomputed_in_backward(rank, world):
     compare_steps(rank, world, lambda: Late(_tiny()), _wrap_blocks, _step)
 
 
+class _PeekingBlock(torch.nn.Module):
+    """A block that also reads the root's embedding weight through a reference the module
+    tree does not show (a list attribute), and saves it for backward."""
+
+    def __init__(self, block, embedding):
+        super().__init__()
+        self.block = block
+        self._embedding = [embedding]
+
+    def forward(self, h, cos, sin):
+        w = self._embedding[0].weight
+        return self.block(h, cos, sin) + 0.01 * torch.nn.functional.linear(h @ w.t(), w.t())
+
+
+class _PeekingLlama(Llama):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.layers = torch.nn.ModuleList(_PeekingBlock(b, self.tok_embeddings) for b in self.layers)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+
+def case_embedding_saved_inside_a_block_gathered(rank, world):
+    """The root's saved-tensor watch is off while a wrapped block runs forward; a block that
+    saves the root's embedding weight (reached outside the module tree) still gets it
+    gathered for backward, with the reference's gradients."""
+    model = compare_steps(rank, world, lambda: _PeekingLlama(_tiny()), _wrap_blocks, _step)
+    emb = _buffer_index(model, "tok_embeddings.weight")
+    t = torch.randint(0, 96, (2, 8))
+    loss = model.loss(t, t)
+    assert model.dbuffers[emb].unsharded_allocated, "the root freed a weight a block saved"
+    loss.backward()
+
+
 def case_unshard_in_backward_forced(rank, world):
     def wrap(m, mesh):
         m = _wrap_blocks(m, mesh)
@@ -167,6 +205,7 @@ CASES = [
     case_tied_embedding_always_gathered,
     case_checkpointed_embedding_gathered,
     case_embedding_group_recomputed_in_backward,
+    case_embedding_saved_inside_a_block_gathered,
     case_unshard_in_backward_forced,
     case_grad_buffer_from_first_gradient,
     case_gloo_reduction_chunked_same_bits,

@@ -62,6 +62,7 @@ class BenchConfig:
     profile: bool = False
     quick: bool = False  # tiny models, for tests
     mesh: tuple[int, int] | None = None  # (replicate, shard): HSDP on both frameworks
+    compile: str | None = None  # torch.compile backend for every block (all frameworks), or None
     out: str = "out/bench_engine.json"
     png: str | None = "out/bench_engine.png"
 
@@ -153,6 +154,13 @@ def wrap(model: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
     return model
 
 
+def compile_blocks(model: torch.nn.Module, backend: str) -> None:
+    """``torch.compile`` each block in place after wrapping (its hooks stay on the module):
+    the same for every framework, so the compiled steps compare like the eager ones."""
+    for block in model.layers:
+        block.compile(backend=backend)
+
+
 def make_optimizer(model: torch.nn.Module, variant: str):
     if variant == "ragged_fsdp":
         from ragged_fsdp.optim import AdamW
@@ -200,6 +208,8 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
         runs, passes = {}, {}
         for v in variants:
             model = wrap(build(kind, cfg.seq_len, cfg.quick), v, mesh)
+            if cfg.compile:
+                compile_blocks(model, cfg.compile)
             opt = make_optimizer(model, v)
 
             def fwd_bwd(model=model):
@@ -216,19 +226,23 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
             for _ in range(1 if cfg.quick else 2):  # warm-up: optimizer state, allocator
                 step()
         times = {v: [] for v in variants}
+        cpu = {v: [] for v in variants}  # this process's CPU (time.process_time): the machine may be shared
         for r in range(cfg.rounds):
             k = r % len(variants)
             order = variants[k:] + variants[:k]
             for v in order:
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(cfg.steps):
                     runs[v]()
+                c1 = time.process_time()
                 dist.barrier()
                 times[v].append((time.perf_counter() - t0) / cfg.steps)
-        res = {"step_s": times, "batch": [batch, seq]}
+                cpu[v].append((c1 - c0) / cfg.steps)
+        res = {"step_s": times, "cpu_s": cpu, "batch": [batch, seq]}
         base = "fsdp2" if "fsdp2" in variants else variants[0]
         res["vs_fsdp2"] = {v: statistics.median(a / b for a, b in zip(times[v], times[base])) for v in variants}
+        res["cpu_vs_fsdp2"] = {v: statistics.median(a / b for a, b in zip(cpu[v], cpu[base])) for v in variants}
         if "ragged_fsdp" in variants and "fsdp2" in variants:
             res["ratio_vs_fsdp2"] = res["vs_fsdp2"]["ragged_fsdp"]
         if "local" in variants:
@@ -389,10 +403,12 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
     """Per workload: step time and peak memory of every framework, and ratios against FSDP2."""
     variants = [v for v in cfg.frameworks]
     layout = f" on a {cfg.mesh[0]}x{cfg.mesh[1]} (replicate, shard) mesh (HSDP)" if cfg.mesh else ""
+    if cfg.compile:
+        layout += f", every block torch.compile'd (backend {cfg.compile})"
     print(f"\nW={cfg.world} gloo ranks{layout}, {cfg.rounds} rounds x {cfg.steps} steps; ratios are medians of "
           "per-round ratios against FSDP2; peak = MemTracker peak over one step, rank 0 "
           "(max-rank: the largest of any rank's)")
-    head = ("workload", "framework", "step ms", "step vs FSDP2", "peak MiB", "peak vs FSDP2",
+    head = ("workload", "framework", "step ms", "step vs FSDP2", "CPU vs FSDP2", "peak MiB", "peak vs FSDP2",
             "max-rank peak vs FSDP2", "fwd+bwd peak vs FSDP2", "copy bytes/step")
     rows = []
     for kind, r in report.items():
@@ -403,7 +419,8 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
         for v in variants:
             ms = statistics.median(r["step_s"][v]) * 1e3
             rows.append((
-                kind, v, f"{ms:.1f}", f"{r['vs_fsdp2'][v]:.2f}", f"{r['peak_bytes'][v] / 2**20:.1f}",
+                kind, v, f"{ms:.1f}", f"{r['vs_fsdp2'][v]:.2f}",
+                f"{r['cpu_vs_fsdp2'][v]:.2f}" if "cpu_vs_fsdp2" in r else "-", f"{r['peak_bytes'][v] / 2**20:.1f}",
                 f"{r['peak_bytes'][v] / base:.3f}" if base else "-",
                 f"{top[v] / top['fsdp2']:.3f}" if top.get("fsdp2") else "-",
                 f"{r['peak_bytes_fwd_bwd'][v] / base_fb:.3f}" if base_fb else "-",
@@ -432,6 +449,7 @@ def summary_rows(world: int, report: dict) -> list[dict]:
                 "world": world, "workload": kind, "framework": v,
                 "step_ms": statistics.median(r["step_s"][v]) * 1e3,
                 "step_vs_fsdp2": r["vs_fsdp2"].get(v),
+                "cpu_vs_fsdp2": r.get("cpu_vs_fsdp2", {}).get(v),
                 "peak_mib": r["peak_bytes"][v] / 2**20,
                 "peak_vs_fsdp2": r["peak_bytes"][v] / base if base else None,
                 "max_rank_peak_vs_fsdp2": top[v] / top["fsdp2"] if top.get("fsdp2") and v in top else None,
@@ -555,6 +573,8 @@ def add_parser(sub) -> None:
                    help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
     p.add_argument("--quick", action="store_true", help="tiny models, one round of one step (a smoke test)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--compile", default=None, metavar="BACKEND", choices=("eager", "aot_eager", "inductor"),
+                   help="torch.compile every block (each framework the same way) with this backend")
     p.add_argument("--out", default=None,
                    help=f"JSON (default {d.out}; with --mesh RxS: out/bench_engine_meshRxS.json)")
     p.add_argument("--png", default=None, help=f"PNG (default {d.png}; with --mesh, beside the JSON)")
@@ -621,7 +641,7 @@ def main(args) -> int:
     worlds, mesh, frameworks, models, out, png = check_args(args)
     base = dict(rounds=args.rounds, steps=args.steps, models=models,
                 frameworks=frameworks, profile=args.profile, out=out,
-                png=png, quick=args.quick, worlds=worlds, mesh=mesh)
+                png=png, quick=args.quick, worlds=worlds, mesh=mesh, compile=getattr(args, "compile", None))
     if args.quick:
         base.update(rounds=1, steps=1)
     reports, configs = {}, {}

@@ -10,6 +10,10 @@ Contract (what a group gets from this module, and what it must do in return):
   watch would no longer see the tensors); a forward that ran without the watch, saw opaque
   tensors or saw no saved tensor at all (its forward ran inside a checkpoint) learns
   nothing (``ForwardRecord.unknown`` / ``seen == 0``), and then nothing is skipped.
+  A nested group's forward takes an outer group's watch off the stack while it runs (its
+  cost is per saved tensor, and a block saves many) and tells afterwards, from reference
+  counts, whether any watched unit was saved meanwhile (:func:`pause_outer_watch`); not
+  when an owner module of the outer units runs inside the nested group.
 * **Skipping embedding gathers** (:meth:`BackwardNeeds.skip_in_backward`): a unit holding only
   untied ``nn.Embedding`` weights (their backward reads only the indices) whose storage was
   not saved is neither kept after forward nor gathered for backward. Never after the
@@ -47,20 +51,24 @@ from .common import TrainingState
 from .hooks import attach_post_backward, eager, in_backward
 from .unit import Unit
 
-__all__ = ["ForwardRecord", "BackwardNeeds", "SavedWatch", "start_watch", "stop_watch", "watching"]
+__all__ = ["ForwardRecord", "BackwardNeeds", "PausedWatch", "SavedWatch", "pause_outer_watch", "resume_outer_watch",
+           "start_watch", "stop_watch", "watching"]
 
 _hooks = torch._C._autograd
 
 
 # -- the saved-tensor watch ----------------------------------------------------------------
 class SavedWatch:
-    def __init__(self, storages: dict[int, int]):
+    def __init__(self, storages: dict[int, int], units: list[Unit] = ()):
         self.storages = storages  # untyped storage data_ptr -> unit index
+        self.units = units  # the watched units (gathered), for a nested group's pause
         self.seen = 0  # tensors saved while the watch was on top
         self.hit: set[int] = set()  # units a saved tensor lives in
         self.opaque = False  # a saved tensor whose storage could not be read
         self.inside: dict[int, int] = {}  # unit -> depth of its owner-module calls running now
         self.outside: set[int] = set()  # units saved while none of their owner modules ran
+        self.paused = False  # popped by a nested group's forward (see pause_outer_watch)
+        self.closed = False  # its group's forward call ended: never pushed back
 
     def pack(self, t: torch.Tensor):
         self.seen += 1
@@ -91,20 +99,91 @@ def watching(w: SavedWatch) -> bool:
     return top is not None and getattr(top[0], "__self__", None) is w
 
 
-def start_watch(storages: dict[int, int]) -> SavedWatch | None:
+def start_watch(storages: dict[int, int], units: list[Unit] = ()) -> SavedWatch | None:
     """Push a watch, unless someone else's saved-tensor hooks are active."""
     top = _top()
     if top is not None and not isinstance(getattr(top[0], "__self__", None), SavedWatch):
         return None
-    w = SavedWatch(storages)
+    w = SavedWatch(storages, units)
     _hooks._push_saved_tensors_default_hooks(w.pack, w.unpack)
     return w
 
 
 def stop_watch(w: SavedWatch | None) -> None:
     """Pop ``w`` if it is on top (a forward that raised may have left the stack uneven)."""
-    if w is not None and watching(w):
+    if w is None:
+        return
+    if watching(w):
         _hooks._pop_saved_tensors_default_hooks()
+    w.closed = True
+
+
+# -- pausing an outer group's watch while a nested group runs forward --------------------------
+# A watch is a Python pack and unpack call plus a detach (autograd's, for every saved tensor
+# while any hook is set) per saved tensor: the root's watch, left on through every block's
+# forward, was 1,205 extra detach per step on the 48-block bench model. A nested group's forward
+# pops it instead. What the watch would have seen there is still seen, by reference counts:
+# a tensor autograd saves that aliases a watched unit either is one of its parameters (their
+# use count grows) or is another view of its unsharded buffer (the storage's use count grows).
+# A count that grew marks the unit saved outside its owner modules, as a hit of the watch
+# would have; it can also grow for other reasons (an AccumulateGrad node made, a view kept),
+# which only costs the optimisation for that step. Counts that fall are not read: a
+# collective's work object, dropped after its wait, can release its references from gloo's
+# thread at any time (seen on the first block's forward), and reading that would make the
+# decision depend on timing, where every rank must take the same one.
+@dataclass
+class PausedWatch:
+    watch: SavedWatch
+    below: tuple | None  # the hooks under it: on top while it is paused
+    counts: list[tuple[Unit, int]]  # references to each watched unit when paused
+
+
+def _references(u: Unit) -> int:
+    n = torch._C._storage_Use_Count(u.buf.unsharded.untyped_storage()._cdata)
+    for i in u.infos:
+        if i.unsharded is not None:
+            n += i.unsharded._use_count()
+    return n
+
+
+def pause_outer_watch(modules: tuple[nn.Module, ...]) -> PausedWatch | None:
+    """Pop the watch of an outer group if it is on top and none of its units' owner modules
+    runs inside ``modules`` (an owner module's own hooks need the watch on the stack)."""
+    top = _top()
+    w = getattr(top[0], "__self__", None) if top is not None else None
+    if not isinstance(w, SavedWatch) or not w.units:
+        return None
+    inner = {id(m) for top_m in modules for m in top_m.modules()}
+    if any(id(m) in inner for u in w.units for i in u.infos for m, _ in i.owners):
+        return None
+    try:
+        counts = [(u, _references(u)) for u in w.units]
+    except Exception:  # a subclass parameter without these counts: keep watching
+        return None
+    _hooks._pop_saved_tensors_default_hooks()
+    w.paused = True
+    return PausedWatch(w, _top(), counts)
+
+
+def _same_hooks(a: tuple | None, b: tuple | None) -> bool:
+    return a is b or (a is not None and b is not None and a[0] is b[0] and a[1] is b[1])
+
+
+def resume_outer_watch(p: PausedWatch) -> None:
+    """Push the paused watch back, recording what the nested forward saved of its units."""
+    w = p.watch
+    w.paused = False
+    if w.closed:
+        return
+    for u, n in p.counts:
+        if _references(u) > n:
+            w.hit.add(u.index)
+            w.outside.add(u.index)
+    if not _same_hooks(_top(), p.below):
+        # someone's hooks were left on the stack: the watch could not see what comes next
+        w.opaque = True
+        return
+    _hooks._push_saved_tensors_default_hooks(w.pack, w.unpack)
 
 
 # -- the group's record of its forward calls -------------------------------------------------
@@ -131,6 +210,7 @@ class BackwardNeeds:
     def __init__(self, group):
         self.g = group
         self.watch: SavedWatch | None = None  # the watch of the forward call running now
+        self.paused: PausedWatch | None = None  # an outer group's watch, off during this forward
         self.recomputed = False  # forward ran again inside backward (activation checkpointing)
 
     # -- construction ------------------------------------------------------------------
@@ -162,22 +242,31 @@ class BackwardNeeds:
     # -- forward -------------------------------------------------------------------------
     def start(self) -> None:
         g = self.g
+        if self.paused is None and self.watch is None and len(g.modules) == 1:
+            # (a list group's post-forward may come after the outer forward ended)
+            self.paused = pause_outer_watch(g.modules)
         watched = [u for u in g.units if (u.embedding or u.early)]
         if not watched or self.watch is not None:
             return
-        storages = {u.buf.unsharded.untyped_storage().data_ptr(): u.index for u in watched if not u.freed}
-        self.watch = start_watch(storages)
+        gathered = [u for u in watched if not u.freed]
+        storages = {u.buf.unsharded.untyped_storage().data_ptr(): u.index for u in gathered}
+        self.watch = start_watch(storages, gathered)
         if self.watch is None:
             g.fwd.unknown = True
 
-    def stop(self) -> None:
+    def stop(self, resume: bool = True) -> None:
+        """End the watch of this forward call; with ``resume``, put back an outer group's
+        watch it paused (not when a step is aborted: the outer forward is over)."""
         w, self.watch = self.watch, None
+        stop_watch(w)
+        p, self.paused = self.paused, None
+        if p is not None and resume:
+            resume_outer_watch(p)
         if w is None:
             return
-        stop_watch(w)
         f, units = self.g.fwd, self.g.units
         f.seen += w.seen
-        f.unknown |= w.opaque
+        f.unknown |= w.opaque or w.paused  # still paused: it missed the rest of this forward
         for b in w.hit:
             units[b].saved = True
         for b in w.outside:

@@ -403,7 +403,7 @@ class ParamGroup:
         """An exception stopped the step (see ``FSDPState.abort_step``): stop the saved-tensor
         watch a forward left running, free what is gathered (after any all-gather in flight)
         and drop the gradients no reduction took."""
-        self.needs.stop()
+        self.needs.stop(resume=False)
         self.reshard()
         for u in self.units:
             u.drop_grads()
