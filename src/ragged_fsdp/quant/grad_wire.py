@@ -201,16 +201,16 @@ def wire_bytes(blocks: WireBlocks, fmt: GradientReduce, rank: int) -> tuple[int,
     return codes + sent, codes + received
 
 
-def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, rank: int,
-                     divide_factor: float | None = None, residuals: list | None = None) -> torch.Tensor:
+def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, rank: int | None,
+                     divide_factor: float | None = None, residuals: list | None = None):
     """What rank ``rank``'s segment gets when the ranks' unsharded gradients are ``grads``,
     computed in one process with the same block math (the tests' reference): every other
-    rank's piece quantised and dequantised, ``rank``'s own piece exact. ``residuals``: each
-    rank's :class:`~ragged_fsdp.quant.wire_residual.Residual`, updated in place."""
+    rank's piece quantised and dequantised, ``rank``'s own piece exact. ``rank=None``: every
+    rank's segment, as a list (one quantisation per rank, as in the engine). ``residuals``:
+    each rank's :class:`~ragged_fsdp.quant.wire_residual.Residual`, updated in place once."""
     blocks = wire_blocks(layout)
     W, S = blocks.world_size, blocks.segment
-    mine = blocks.of_segment(rank)
-    pieces = []
+    sent = []
     for k, g in enumerate(grads):
         x = g.clone()
         if residuals is not None:
@@ -218,16 +218,16 @@ def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, ran
         codes, scale = quantize(x, blocks.lengths, fmt)
         if residuals is not None:
             residuals[k].keep(x, codes, scale)
-        c = codes[rank * S:(rank + 1) * S]
-        sc = None if scale is None else scale[blocks.starts[rank]:blocks.starts[rank] + blocks.per_segment[rank]]
-        pieces.append((c, sc))
-        if k == rank:
-            exact = x[rank * S:(rank + 1) * S]
-    if pieces[0][1] is None:
-        deq = torch.stack([c for c, _ in pieces]).to(grads[0].dtype)
-    else:
-        deq = dequantize(torch.cat([c for c, _ in pieces]), torch.cat([s for _, s in pieces]), mine.repeat(W),
-                         grads[0].dtype, fmt).view(W, S)
-    deq[rank].copy_(exact)  # the own piece never travels
-    # the divide as the engine lands it (one multiply by 1/factor, not a division)
-    return sum_pieces(deq).mul_(1.0 / float(divide_factor or W))
+        sent.append((x, codes, scale))
+    out = []
+    for r in range(W) if rank is None else (rank,):
+        seg, first, n = slice(r * S, (r + 1) * S), blocks.starts[r], blocks.per_segment[r]
+        if fmt.scaled:
+            deq = dequantize(torch.cat([c[seg] for _, c, _ in sent]), torch.cat([sc[first:first + n] for *_, sc in sent]),
+                             blocks.of_segment(r).repeat(W), grads[0].dtype, fmt).view(W, S)
+        else:
+            deq = torch.stack([c[seg] for _, c, _ in sent]).to(grads[0].dtype)
+        deq[r].copy_(sent[r][0][seg])  # the own piece never travels
+        # the divide as the engine lands it (one multiply by 1/factor, not a division)
+        out.append(sum_pieces(deq).mul_(1.0 / float(divide_factor or W)))
+    return out if rank is None else out[0]
