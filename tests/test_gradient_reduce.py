@@ -88,6 +88,8 @@ def _entries(slot):
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--dim", "0"], "--dim 0: must be >= 1"),
     (["--plot", "a.json"], "--plot needs --png"),
+    (["--seeds", "3"], "needs two or more distinct seeds"),
+    (["--seeds", "a-b"], "pass a range A-B or a list"),
 ])
 def test_bench_refuses_bad_options(argv, message, capsys):
     from ragged_fsdp.bench import grad_wire as bench
@@ -359,12 +361,20 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     batches = bench._Batches(_bench_args(), world)
-    for mode in (("int8", True), ("bf16", False)):
+    for mode in (("int8", True, None), ("bf16", False, None)):
         plain, _ = bench._train(_bench_args(), "x", mode, mesh, batches, None)
         probed, _ = bench._train(_bench_args("--grad-error"), "x", mode, mesh, batches, None)
         assert plain["losses"] == probed["losses"], (mode, plain["losses"], probed["losses"])
         for (n, a), (_, b) in zip(plain["_model"].named_parameters(), probed["_model"].named_parameters()):
             assert torch.equal(a.full_tensor(), b.full_tensor()), f"{mode} {n}: the probe changed the weights"
+        if mode[1]:  # the residual the bench reports is the engine's storage: int8 codes of the sent pieces
+            want = 0
+            for m in plain["_model"].modules():
+                for buf in getattr(m, "dbuffers", []) if hasattr(m, "_fsdp_state") else []:
+                    blocks = wire_blocks(buf.layout)
+                    n_other = int(blocks.lengths.numel()) - blocks.per_segment[buf.layout.rank]
+                    want += (world - 1) * buf.layout.segment + 4 * n_other
+            assert bench._residual_bytes(plain["_model"]) == want > 0
         errs = probed["grad_rel_err_per_step"]
         assert len(errs) == 3 and all(0 < e < 0.1 for e in errs), errs
     # the probe wraps the engine's function and puts it back
