@@ -311,7 +311,10 @@ def run(args) -> dict:
         r["last50_vs_fp32"] = _tail(r["losses"]) / _tail(base["losses"]) - 1.0
     cfg = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq_len", "dim", "layers", "hidden", "experts",
                                          "seed")}
-    return {"world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__, "rows": rows}
+    from .meta import run_meta
+
+    return {"meta": run_meta(), "world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__,
+            "rows": rows}
 
 
 def _tail(losses: list[float], n: int = 50) -> float:
@@ -341,14 +344,12 @@ def summarise(runs: list[dict]) -> dict:
 def run_seeds(args, seeds: list[int], path: str | None) -> dict:
     """``run`` once per seed (weights and batches), in one launch; the JSON is rewritten
     after every seed, so a launch cut short keeps the seeds it finished."""
-    from .meta import run_meta
-
     runs = []
     for seed in seeds:
         args.seed = seed
         out = run(args)
         runs.append(out)
-        res = {"meta": run_meta(), "world": out["world"], "steps": args.steps, "seeds": seeds[:len(runs)],
+        res = {"meta": out.pop("meta"), "world": out["world"], "steps": args.steps, "seeds": seeds[:len(runs)],
                "config": {**out["config"], "seed": None}, "torch": torch.__version__,
                "summary": summarise(runs), "runs": runs}
         if dist.get_rank() == 0:
