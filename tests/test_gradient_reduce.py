@@ -4,10 +4,15 @@ e4m3 codes with one fp32 scale per block, and summed in fp32 on the segment's ow
 * The blocks (pure): they tile the buffer, every segment boundary is a block boundary, no
   block has elements of two tensors, and a block inside a tensor is whole units of its
   granularity: checked from planned layouts with odd shapes at W = 1..5.
+* The residual (pure): int8 storage keeps every element within scale / 508 of the exact
+  residual, bf16 within one bf16 rounding; its size is the other ranks' segments only, and
+  bad combinations are refused naming the parameter and the fix.
 * The collective, bitwise: every rank's segment equals a single-process reference that
-  quantises each rank's buffer the same way, dequantises and sums the pieces in rank order
-  (``quant.grad_wire.reference_reduce``), on groups of 1, 2, 3 and 4 ranks, every format,
-  with error feedback over three steps.
+  quantises each other rank's buffer the same way, dequantises and sums the pieces with its
+  own piece, exact, in rank order (``quant.grad_wire.reference_reduce``), on groups of 1, 2,
+  3 and 4 ranks, every format, with error feedback over three steps in every residual
+  storage; and with zeros from the other ranks a rank's segment is its own gradient / W
+  exactly (its own piece is never quantised).
 * The engine, bitwise: one backward of an MLP with odd shapes equals the reference applied
   to each rank's own gradient (a plain replica on that rank's rows); also with
   ``no_sync`` accumulation, a divide factor, accumulation into existing grads and an
@@ -25,9 +30,13 @@ from _dist import check_case, run_cases
 
 from ragged_fsdp import GradientReduce
 from ragged_fsdp.dbuffer.planning import plan_layout
-from ragged_fsdp.quant.grad_wire import reference_reduce, wire_blocks
+from ragged_fsdp.quant.grad_wire import dequantize, quantize, reference_reduce, wire_blocks
+from ragged_fsdp.quant.wire_residual import Residual
 
 FORMATS = [GradientReduce(torch.bfloat16), GradientReduce(torch.int8), GradientReduce(torch.float8_e4m3fn)]
+FEEDBACK = [GradientReduce(torch.int8, True), GradientReduce(torch.int8, True, torch.bfloat16),
+            GradientReduce(torch.int8, True, torch.float32), GradientReduce(torch.float8_e4m3fn, True),
+            GradientReduce(torch.float8_e4m3fn, True, torch.float32), GradientReduce(torch.bfloat16, True)]
 SHAPES = [("w1", (37, 24), "rows:3"), ("b1", (37,), None), ("w2", (5, 37), None), ("e", (3, 7, 11), "rows:7"),
           ("w3", (64, 64), None), ("b3", (1,), None)]
 
@@ -79,6 +88,8 @@ def _entries(slot):
     (["--steps", "0"], "--steps 0: must be >= 1"),
     (["--dim", "0"], "--dim 0: must be >= 1"),
     (["--plot", "a.json"], "--plot needs --png"),
+    (["--seeds", "3"], "needs two or more distinct seeds"),
+    (["--seeds", "a-b"], "pass a range A-B or a list"),
 ])
 def test_bench_refuses_bad_options(argv, message, capsys):
     from ragged_fsdp.bench import grad_wire as bench
@@ -91,6 +102,64 @@ def test_bench_refuses_bad_options(argv, message, capsys):
 def test_refuses_other_dtypes():
     with pytest.raises(ValueError, match="wire_dtype=torch.float16"):
         GradientReduce(torch.float16)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(wire_dtype=torch.float8_e4m3fn, error_feedback=True, residual_dtype=torch.int8),
+     "residual_dtype=torch.int8 .* use residual_dtype=torch.bfloat16"),
+    (dict(wire_dtype=torch.bfloat16, error_feedback=True, residual_dtype=torch.int8),
+     "residual_dtype=torch.int8 .* use residual_dtype=torch.bfloat16"),
+    (dict(wire_dtype=torch.int8, residual_dtype=torch.bfloat16), "pass error_feedback=True or leave residual_dtype"),
+    (dict(wire_dtype=torch.int8, error_feedback=True, residual_dtype=torch.float16), "residual_dtype=torch.float16"),
+])
+def test_refuses_bad_residual_storage(kw, message):
+    with pytest.raises(ValueError, match=message):
+        GradientReduce(**kw)
+
+
+def test_residual_storage_default():
+    """Left out, the residual is int8 for the int8 wire, bf16 for the others; resolved at
+    construction, so the default and its explicit spelling are the same format."""
+    assert GradientReduce(torch.int8, True).residual_dtype is torch.int8
+    assert GradientReduce(torch.float8_e4m3fn, True).residual_dtype is torch.bfloat16
+    assert GradientReduce(torch.bfloat16, True).residual_dtype is torch.bfloat16
+    assert GradientReduce(torch.int8).residual_dtype is None
+    assert GradientReduce(torch.int8, True) == GradientReduce(torch.int8, True, torch.int8)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_residual_is_the_sent_pieces_and_within_its_bound(world):
+    """The residual covers the other ranks' segments only ((W - 1) * S elements, plus the
+    scales of their blocks for int8 storage), and what it stores is within its storage's
+    bound of the exact residual ``x - dequant(quant(x))``."""
+    lay = _layout(world, 0)
+    blocks = wire_blocks(lay)
+    S = lay.segment
+    for rank in range(world):
+        x = _rank_grad(rank, lay.total)
+        for fmt in FEEDBACK:
+            res = Residual(blocks, rank, fmt)
+            codes, scale = quantize(x, blocks.lengths, fmt)
+            res.keep(x, codes, scale)
+            exact = x - dequantize(codes, scale, blocks.lengths, x.dtype, fmt)
+            got = torch.zeros_like(x)
+            res.add_into(got)
+            own = slice(rank * S, (rank + 1) * S)
+            assert not got[own].any(), "the own segment has a residual"
+            others = torch.ones(lay.total, dtype=torch.bool)
+            others[own] = False
+            n_other = int(blocks.lengths.numel()) - blocks.per_segment[rank]
+            item = {torch.float32: 4, torch.bfloat16: 2, torch.int8: 1}[fmt.residual_dtype]
+            assert res.nbytes == (world - 1) * S * item + (4 * n_other if fmt.residual_dtype is torch.int8 else 0)
+            err = (got - exact)[others]
+            if fmt.residual_dtype is torch.float32:
+                assert torch.equal(got[others], exact[others])
+            elif fmt.residual_dtype is torch.bfloat16:
+                assert (err.abs() <= exact[others].abs() * 2.0 ** -8).all()
+            else:
+                step = torch.repeat_interleave(scale, blocks.lengths)[others]
+                assert (exact[others].abs() <= step / 2 * (1 + 1e-6)).all(), "int8 rounding exceeds scale / 2"
+                assert (err.abs() <= step / 508 * (1 + 1e-5)).all(), "int8 storage exceeds scale / 508"
 
 
 # -- the collective, bitwise ---------------------------------------------------------------
@@ -114,9 +183,10 @@ def case_collective_matches_reference(rank, world):
             continue
         comm = Comm.of(group)
         lay = _layout(size, comm.rank)
-        for fmt in FORMATS + [GradientReduce(torch.int8, error_feedback=True)]:
+        blocks = wire_blocks(lay)
+        for fmt in FORMATS + FEEDBACK:
             state = WireState(lay, fmt)
-            residuals = [torch.zeros(lay.total) for _ in ranks] if fmt.error_feedback else None
+            residuals = [Residual(blocks, k, fmt) for k in ranks] if fmt.error_feedback else None
             for step in range(3 if fmt.error_feedback else 1):
                 grads = [_rank_grad(k, lay.total, step) for k in ranks]
                 got = torch.empty(lay.segment)
@@ -129,8 +199,18 @@ def case_collective_matches_reference(rank, world):
                 mine = [g.narrow(0, comm.rank * lay.segment, lay.segment) for g in grads]
                 exact = sum(mine[1:], mine[0].clone()) / size
                 bound = sum(m.abs() for m in mine) / size * 2.0 ** -8  # one bf16 rounding per piece
-                if fmt.wire_dtype is torch.bfloat16 and not ((got - exact).abs() <= bound).all():
+                if fmt.wire_dtype is torch.bfloat16 and not fmt.error_feedback and not ((got - exact).abs() <= bound).all():
                     failed.append(f"W={size}: the bf16-wire mean is further than the pieces' rounding from fp32's")
+            # the own piece is never quantised: every rank sends zeros but keeps its own
+            # segment, and each gets that segment / W back bit for bit
+            S = lay.segment
+            g = torch.zeros(lay.total)
+            g[comm.rank * S:(comm.rank + 1) * S] = _rank_grad(comm.rank, lay.total)[:S]
+            got = torch.empty(S)
+            wire_reduce_scatter(Device(torch.device("cpu")), comm, g, got, False, None, WireState(lay, fmt)).wait()
+            want = g[comm.rank * S:(comm.rank + 1) * S] * (1.0 / size)
+            if not torch.equal(got, want):
+                failed.append(f"W={size} {fmt}: the own segment is not exact ({(got != want).sum().item()} differ)")
     # every rank takes part in every new_group before raising (a rank that raised early
     # would leave the others in the next group's creation)
     assert not failed, "\n".join(failed)
@@ -281,12 +361,20 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
 
     mesh = init_device_mesh("cpu", (world,))
     batches = bench._Batches(_bench_args(), world)
-    for mode in (("int8", True), ("bf16", False)):
+    for mode in (("int8", True, None), ("bf16", False, None)):
         plain, _ = bench._train(_bench_args(), "x", mode, mesh, batches, None)
         probed, _ = bench._train(_bench_args("--grad-error"), "x", mode, mesh, batches, None)
         assert plain["losses"] == probed["losses"], (mode, plain["losses"], probed["losses"])
         for (n, a), (_, b) in zip(plain["_model"].named_parameters(), probed["_model"].named_parameters()):
             assert torch.equal(a.full_tensor(), b.full_tensor()), f"{mode} {n}: the probe changed the weights"
+        if mode[1]:  # the residual the bench reports is the engine's storage: int8 codes of the sent pieces
+            want = 0
+            for m in plain["_model"].modules():
+                for buf in getattr(m, "dbuffers", []) if hasattr(m, "_fsdp_state") else []:
+                    blocks = wire_blocks(buf.layout)
+                    n_other = int(blocks.lengths.numel()) - blocks.per_segment[buf.layout.rank]
+                    want += (world - 1) * buf.layout.segment + 4 * n_other
+            assert bench._residual_bytes(plain["_model"]) == want > 0
         errs = probed["grad_rel_err_per_step"]
         assert len(errs) == 3 and all(0 < e < 0.1 for e in errs), errs
     # the probe wraps the engine's function and puts it back

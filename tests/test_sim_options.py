@@ -320,16 +320,22 @@ def test_grad_wire_sends_the_formats_bytes_and_adds_its_local_work():
         assert r["ragged"].memory_bytes == base["ragged"].memory_bytes  # no residual without error feedback
         assert r["fsdp2"].step_s == base["fsdp2"].step_s and r["fsdp2"].grad_reduce == base["fsdp2"].grad_reduce
         assert "gradient wire quantise / error feedback (ragged_fsdp's gradient_reduce)" in r["fsdp2"].vs_ragged["step_s"]
-    # error feedback: more local work, and a persistent fp32 residual of the unsharded gradient
-    # (every rank sends pieces of all W segments): 4 bytes per parameter on every rank
+    # error feedback: more local work, and a persistent residual of the pieces a rank sends
+    # ((W-1)/W of the unsharded gradient: the own segment is summed exact), by default int8
+    # codes plus an fp32 scale per 128-element block for the int8 wire
     q = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8")
     ef = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8", grad_wire_ef=True)
     assert ef.grad_reduce["sent_bytes"] == q.grad_reduce["sent_bytes"]
     assert ef.time_parts["gradient wire quantise"] > q.time_parts["gradient wire quantise"]
     params = resolve_model("llama3-70b").params
-    assert ef.grad_reduce["feedback_bytes"] == pytest.approx(4 * params, rel=0.01)
+    assert ef.grad_reduce["residual"] == "int8"
+    assert ef.grad_reduce["feedback_bytes"] == pytest.approx(63 / 64 * (1 + 4 / 128) * params, rel=0.01)
     assert ef.memory_items["error-feedback residuals"] == ef.grad_reduce["feedback_bytes"]
     assert ef.memory_bytes - q.memory_bytes >= ef.grad_reduce["feedback_bytes"]
+    for store, per_elem in (("fp32", 4.0), ("bf16", 2.0)):
+        r = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8", grad_wire_ef=True, grad_wire_residual=store)
+        assert r.grad_reduce["feedback_bytes_per_element"] == pytest.approx(63 / 64 * per_elem), store
+    assert _run("llama3-70b", 64, fw=("ragged",), grad_wire="fp8", grad_wire_ef=True).grad_reduce["residual"] == "bf16"
 
 
 def test_grad_wire_bytes_match_the_engines_block_format():
@@ -357,6 +363,10 @@ def test_grad_wire_bad_input_names_the_option(capsys):
         _run(grad_wire="int4")
     with pytest.raises(ValueError, match="--grad-wire-ef needs --grad-wire"):
         _run(grad_wire_ef=True)
+    with pytest.raises(ValueError, match="use --grad-wire-residual bf16"):
+        _run(grad_wire="fp8", grad_wire_ef=True, grad_wire_residual="int8")
+    with pytest.raises(ValueError, match="add --grad-wire-ef"):
+        _run(grad_wire="int8", grad_wire_residual="bf16")
     assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "64", "--frameworks", "ragged",
                      "--grad-wire-ef"]) == 2
     assert "--grad-wire-ef needs --grad-wire" in capsys.readouterr().err

@@ -24,7 +24,13 @@ Models (``--model``):
   top-2, expert hidden 128) with the byte vocab, under the demo's recipe.
 
 ``--dim``, ``--layers``, ``--hidden``, ``--experts`` and ``--seq-len`` shrink a model (the
-docs say when they did).
+docs say when they did). With error feedback a row also has the residual's bytes on a rank,
+read from the engine's storage.
+
+``--seeds A-B`` runs every mode once per seed (weights and batches) in one launch and writes
+the runs and, per mode, the mean and standard error over the seeds of its final loss (and
+its last-50-step mean) against fp32 reduction of the same seed: one run's final loss is
+chaotic at these sizes, a mean over seeds is what a difference of 1% can be read from.
 """
 
 from __future__ import annotations
@@ -41,27 +47,34 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
 
-# key -> (table name, wire spec): None = fp32 reduce-scatter, "fsdp2" = torch FSDP2 bf16
+# key -> (table name, wire spec): None = fp32 reduce-scatter, "fsdp2" = torch FSDP2 bf16; a
+# wire spec is (wire, error feedback, residual storage: None = GradientReduce's default)
 MODES = {
     "fp32": ("fp32 reduce", None),
-    "bf16": ("bf16 wire, fp32 sum", ("bf16", False)),
-    "int8": ("int8 + scale", ("int8", False)),
-    "int8-ef": ("int8 + scale, error feedback", ("int8", True)),
-    "fp8": ("fp8 e4m3 + scale", ("fp8", False)),
-    "fp8-ef": ("fp8 e4m3 + scale, error feedback", ("fp8", True)),
+    "bf16": ("bf16 wire, fp32 sum", ("bf16", False, None)),
+    "int8": ("int8 + scale", ("int8", False, None)),
+    "int8-ef": ("int8 + scale, error feedback", ("int8", True, None)),
+    "fp8": ("fp8 e4m3 + scale", ("fp8", False, None)),
+    "fp8-ef": ("fp8 e4m3 + scale, error feedback", ("fp8", True, None)),
     "fsdp2": ("FSDP2 reduce_dtype=bf16", "fsdp2"),
     # the control: fp32 reduction in another engine (the sum's order differs, nothing else)
     # shows how far two runs drift apart from rounding differences of fp32 size alone
     "fsdp2-fp32": ("FSDP2 reduce_dtype=fp32 (control)", "fsdp2-fp32"),
+    # error feedback's residual stored other than by default (the residual-storage table)
+    "int8-ef-bf16r": ("int8 + scale, error feedback, bf16 residual", ("int8", True, "bf16")),
+    "int8-ef-fp32r": ("int8 + scale, error feedback, fp32 residual", ("int8", True, "fp32")),
+    "fp8-ef-fp32r": ("fp8 e4m3 + scale, error feedback, fp32 residual", ("fp8", True, "fp32")),
 }
-_WIRE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+DEFAULT_MODES = ("fp32", "bf16", "int8", "int8-ef", "fp8", "fp8-ef", "fsdp2")
+_WIRE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 MODELS = ("small", "demo", "moe")
 
 
 def _fmt(mode):
     from ragged_fsdp import GradientReduce
 
-    return GradientReduce(_WIRE[mode[0]], error_feedback=mode[1])
+    wire, ef, res = mode
+    return GradientReduce(_WIRE[wire], error_feedback=ef, residual_dtype=None if res is None else _WIRE[res])
 
 
 def _model(args):
@@ -118,6 +131,21 @@ def _bytes_sent(model, mode, world: int) -> int:
                 total += (world - 1) * buf.segment * 4
             else:
                 total += wire_bytes(wire_blocks(buf.layout), _fmt(mode), dist.get_rank())[0]
+    return total
+
+
+def _residual_bytes(model) -> int:
+    """Bytes of error-feedback residual this rank holds (every wire state's storage)."""
+    from ragged_fsdp.fsdp import FSDPModule
+
+    total = 0
+    for m in model.modules():
+        g = m._fsdp_state().group if isinstance(m, FSDPModule) else None
+        if g is not None:
+            for unit in g.units:
+                st = unit.wire
+                if st is not None and st.residual is not None:
+                    total += st.residual.nbytes
     return total
 
 
@@ -269,15 +297,68 @@ def run(args) -> dict:
         row["bytes_sent"] = (fp32_bytes // 2 if mode == "fsdp2" else fp32_bytes if mode == "fsdp2-fp32"
                              else _bytes_sent(model, mode, world))
         row["mode"] = key
+        if isinstance(mode, tuple) and mode[1]:  # measured from the engine's residual storage
+            res = torch.tensor([float(_residual_bytes(model))])
+            dist.all_reduce(res, op=dist.ReduceOp.MAX)
+            row["residual_bytes"] = int(res.item())
+            row["residual_bytes_per_param"] = row["residual_bytes"] / sum(p.numel() for p in model.parameters())
         rows[name] = row
         del model
     base = rows["fp32 reduce"]
     for r in rows.values():
         r["bytes_vs_fp32"] = r["bytes_sent"] / base["bytes_sent"]
         r["final_loss_vs_fp32"] = r["final_loss"] / base["final_loss"] - 1.0
+        r["last50_vs_fp32"] = _tail(r["losses"]) / _tail(base["losses"]) - 1.0
     cfg = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq_len", "dim", "layers", "hidden", "experts",
                                          "seed")}
-    return {"world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__, "rows": rows}
+    from .meta import run_meta
+
+    return {"meta": run_meta(), "world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__,
+            "rows": rows}
+
+
+def _tail(losses: list[float], n: int = 50) -> float:
+    return sum(losses[-n:]) / min(n, len(losses))
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per mode over the seeds' runs: mean and standard error of the mean of (final loss vs
+    fp32 of the same seed) and (mean of the last 50 steps vs fp32), and the mean of
+    |final vs fp32|; fractions, as in the rows."""
+    out = {}
+    for name in runs[0]["rows"]:
+        if name == "fp32 reduce":
+            continue
+        row = {"mode": runs[0]["rows"][name]["mode"], "seeds": len(runs)}
+        for key in ("final_loss_vs_fp32", "last50_vs_fp32"):
+            xs = [r["rows"][name][key] for r in runs]
+            mean = sum(xs) / len(xs)
+            var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
+            row[key] = {"mean": mean, "sem": (var / len(xs)) ** 0.5, "per_seed": xs}
+        row["abs_final_loss_vs_fp32_mean"] = sum(abs(x) for x in row["final_loss_vs_fp32"]["per_seed"]) / len(runs)
+        row["bytes_vs_fp32"] = runs[0]["rows"][name]["bytes_vs_fp32"]
+        out[name] = row
+    return out
+
+
+def run_seeds(args, seeds: list[int], path: str | None) -> dict:
+    """``run`` once per seed (weights and batches), in one launch; the JSON is rewritten
+    after every seed, so a launch cut short keeps the seeds it finished."""
+    runs = []
+    for seed in seeds:
+        args.seed = seed
+        out = run(args)
+        runs.append(out)
+        res = {"meta": out.pop("meta"), "world": out["world"], "steps": args.steps, "seeds": seeds[:len(runs)],
+               "config": {**out["config"], "seed": None}, "torch": torch.__version__,
+               "summary": summarise(runs), "runs": runs}
+        if dist.get_rank() == 0:
+            print(f"seed {seed} done", flush=True)
+            if path:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump(res, f, indent=1)
+    return res
 
 
 def render_png(results: list[dict], path: str, smooth: int = 10) -> None:
@@ -334,7 +415,7 @@ def _parser():
     ap.add_argument("--world", type=int, default=None,
                     help="CPU ranks to start through torchrun (leave out under torchrun)")
     ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--modes", default=",".join(k for k in MODES if k != "fsdp2-fp32"),
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
                     help=f"comma-separated, from {', '.join(MODES)} (fp32 always runs: it is the reference)")
     ap.add_argument("--batch", type=int, default=12, help="global batch in sequences (demo, moe; default 12)")
     ap.add_argument("--seq-len", type=int, default=128, help="sequence length (demo, moe; default 128)")
@@ -344,6 +425,9 @@ def _parser():
     ap.add_argument("--experts", type=int, default=None, help="shrink the moe model: experts per layer")
     ap.add_argument("--seed", type=int, default=0,
                     help="the weights' seed and (demo, moe) the batches' (default 0)")
+    ap.add_argument("--seeds", default=None, metavar="A-B|A,B,...",
+                    help="run every mode once per seed in this launch and write, besides the runs, the mean and "
+                         "standard error over the seeds of each mode's final loss (and last-50 mean) vs fp32")
     ap.add_argument("--grad-error", action="store_true",
                     help="measure every step's gradient error and the accumulated error (wire modes)")
     ap.add_argument("--progress", type=int, default=0, help="print the loss every N steps")
@@ -352,6 +436,20 @@ def _parser():
     ap.add_argument("--plot", nargs="+", default=None, metavar="JSON",
                     help="no training: draw the curves of these result files side by side into --png")
     return ap
+
+
+def _parse_seeds(ap, spec: str) -> list[int]:
+    try:
+        if "-" in spec:
+            a, b = (int(x) for x in spec.split("-"))
+            seeds = list(range(a, b + 1))
+        else:
+            seeds = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--seeds {spec!r}: pass a range A-B or a list A,B,... of integers >= 0")
+    if len(seeds) < 2 or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        ap.error(f"--seeds {spec!r}: needs two or more distinct seeds >= 0 (one seed is --seed)")
+    return seeds
 
 
 def check_args(ap, args) -> None:
@@ -366,6 +464,8 @@ def check_args(ap, args) -> None:
     args.modes = modes
     if args.seed < 0:
         ap.error(f"--seed {args.seed}: must be >= 0")
+    if args.seeds is not None:
+        args.seeds = _parse_seeds(ap, args.seeds)
     for k in ("world", "dim", "layers", "hidden", "experts"):
         v = getattr(args, k)
         if v is not None and v < 1:
@@ -374,6 +474,17 @@ def check_args(ap, args) -> None:
         ap.error(f"--batch {args.batch} is not a multiple of --world {args.world}; pass a multiple (12 fits 2, 3, 4)")
     if args.plot and not args.png:
         ap.error("--plot needs --png (where to draw)")
+
+
+def _print_summary(res: dict) -> None:
+    c = res["config"]
+    print(f"model={c['model']} W={res['world']}, {res['steps']} steps, seeds {res['seeds']}: vs fp32 of the same "
+          "seed, mean +- standard error")
+    print(f"{'mode':48s} {'final loss':>18s} {'|final|':>8s} {'last 50':>18s}")
+    for name, r in res["summary"].items():
+        f, t = r["final_loss_vs_fp32"], r["last50_vs_fp32"]
+        print(f"{name:48s} {100 * f['mean']:+8.2f}% +- {100 * f['sem']:4.2f} {100 * r['abs_final_loss_vs_fp32_mean']:7.2f}% "
+              f"{100 * t['mean']:+8.2f}% +- {100 * t['sem']:4.2f}")
 
 
 def main(argv=None) -> None:
@@ -400,6 +511,13 @@ def main(argv=None) -> None:
     if args.model != "small" and args.batch % dist.get_world_size():
         raise SystemExit(f"--batch {args.batch} is not a multiple of the {dist.get_world_size()} ranks")
     torch.set_num_threads(1)
+    if args.seeds is not None:
+        res = run_seeds(args, args.seeds, args.json)
+        if dist.get_rank() == 0:
+            _print_summary(res)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     out = run(args)
     if dist.get_rank() == 0:
         c = out["config"]

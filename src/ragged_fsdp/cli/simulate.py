@@ -78,7 +78,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="ragged_fsdp's gradient_reduce: gradients as bf16 or int8/fp8 codes + per-block scales "
                         "through an all-to-all, summed in fp32 (default: the fp32 reduce-scatter)")
     p.add_argument("--grad-wire-ef", action="store_true",
-                   help="with --grad-wire: error feedback (a persistent fp32 residual of the unsharded gradient)")
+                   help="with --grad-wire: error feedback (a persistent residual of the pieces each rank sends, "
+                        "(W-1)/W of the unsharded gradient)")
+    p.add_argument("--grad-wire-residual", default=None, choices=("fp32", "bf16", "int8"),
+                   help="with --grad-wire-ef: the residual's storage (default: int8 for the int8 wire, 1 byte + "
+                        "4/128 per element; bf16 for the others)")
     p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (with pp > 1)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches per step (default: --micro-batch, one sequence each)")
@@ -154,7 +158,7 @@ def run(args) -> int:
         recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather,
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
-                        grad_wire_ef=args.grad_wire_ef)
+                        grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}
@@ -217,7 +221,8 @@ def run(args) -> int:
         if gr:
             print(f"    gradient reduction: {gr['format']}, {gr['sent_bytes'] / 2**30:.2f} GiB sent per rank per step"
                   + (f", local quantise/sum {gr['wire_local_s']:.3f}s" if gr["wire_local_s"] else "")
-                  + (f", error-feedback residuals {gr['feedback_bytes'] / 2**30:.1f} GiB" if gr["feedback_bytes"]
+                  + (f", error-feedback residuals ({gr['residual']}) {gr['feedback_bytes'] / 2**30:.1f} GiB"
+                     if gr["feedback_bytes"]
                      else ""))
         if r.vs_ragged:
             d = r.vs_ragged

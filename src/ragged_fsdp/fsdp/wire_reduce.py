@@ -5,12 +5,13 @@ Each rank quantises its whole unsharded gradient block by block (the blocks of
 :func:`~ragged_fsdp.quant.grad_wire.wire_blocks`, none shared by two segments), sends every
 other rank the codes of that rank's segment with their scales in two ``all_to_all_single``
 (equal splits for the codes, uneven for the scales: segments hold different numbers of
-blocks), and dequantises and sums the ``W`` pieces of its own segment in rank order. NCCL
-would sum a bf16 or int8 reduce-scatter in that dtype; this sums in fp32 whatever the wire.
+blocks), and dequantises the other ranks' pieces of its own segment and sums them with its
+own piece, exact (it never travels, so it is never rounded), in rank order. NCCL would sum a
+bf16 or int8 reduce-scatter in that dtype; this sums in fp32 whatever the wire.
 
-Error feedback keeps, per rank, what quantisation dropped from the pieces it sent (a
-persistent buffer of the unsharded gradient's size, in the reduce dtype) and adds it to the
-next reduction's gradient first.
+Error feedback keeps, per rank, what quantisation dropped from the pieces it sent to the
+other ranks (:class:`~ragged_fsdp.quant.wire_residual.Residual`, ``(W - 1) / W`` of the
+unsharded gradient in ``residual_dtype``) and adds it to the next reduction's gradient first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ragged_fsdp.quant.grad_wire import GradientReduce, WireBlocks, dequantize, quantize, sum_pieces, wire_blocks
+from ragged_fsdp.quant.wire_residual import Residual
 
 from .collectives import Comm, _Both, _land
 from .device import Device, Pending
@@ -31,16 +33,16 @@ class WireState:
     once) and the error-feedback residual."""
 
     def __init__(self, layout, fmt: GradientReduce):
-        self.fmt = fmt
+        self.fmt, self.rank = fmt, layout.rank
         self.blocks: WireBlocks = wire_blocks(layout)
         self.mine = self.blocks.of_segment(layout.rank)
-        self.residual: torch.Tensor | None = None
+        self.residual: Residual | None = None
 
-    def residual_for(self, grad: torch.Tensor) -> torch.Tensor | None:
+    def residual_for(self, grad: torch.Tensor) -> Residual | None:
         if not self.fmt.error_feedback:
             return None
-        if self.residual is None or self.residual.numel() != grad.numel():
-            self.residual = torch.zeros_like(grad)
+        if self.residual is None:  # made at the first reduction, on the gradient's device
+            self.residual = Residual(self.blocks, self.rank, self.fmt, device=grad.device)
         return self.residual
 
 
@@ -58,11 +60,17 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
     fmt, blocks = state.fmt, state.blocks
     factor = float(divide_factor or W)
     residual = state.residual_for(grad)
-    x = grad if residual is None else grad + residual
+    x = grad
+    if residual is not None:
+        x = grad.clone()
+        residual.add_into(x)  # the other ranks' segments only: this rank's own has no residual
     codes, scale = quantize(x, blocks.lengths, fmt)
     if residual is not None:  # what this step's wire dropped comes back next step
-        torch.sub(x, dequantize(codes, scale, blocks.lengths, x.dtype, fmt), out=residual)
+        residual.keep(x, codes, scale)
     del x
+    # this rank's piece of its own segment never travels: it is summed exact (the residual
+    # adds nothing there, so it is grad's own segment)
+    own = grad.narrow(0, r * S, S)
     recv_codes = torch.empty_like(codes)
     n_mine = blocks.per_segment[r]
     recv_scale = None if scale is None else torch.empty(W * n_mine, dtype=scale.dtype, device=scale.device)
@@ -88,6 +96,7 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
         else:
             lengths = state.mine.repeat(W)
             deq = dequantize(pieces.reshape(-1), recv_scale, lengths, grad.dtype, fmt).view(W, S)
+        deq[r].copy_(own)
         _land(sum_pieces(deq), target, accumulate, factor, scratch=True)
 
     keep = (grad, codes, recv_codes, target) + (() if scale is None else (scale, recv_scale))

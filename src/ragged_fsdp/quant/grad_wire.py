@@ -14,9 +14,11 @@ Formats (:class:`GradientReduce`'s ``wire_dtype``):
 * ``torch.int8``: ``code = round(x / scale)`` with ``scale = absmax(block) / 127``;
 * ``torch.float8_e4m3fn``: ``code = fp8(x / scale)`` with ``scale = absmax(block) / 448``.
 
-One fp32 scale per block. The receiver dequantises every rank's piece of its segment in the
-reduce dtype and sums them in rank order (:func:`sum_pieces`), so the sum is fp32 whatever the
-wire carried. The same functions run in the engine and in a single-process reference.
+One fp32 scale per block. The receiver dequantises every other rank's piece of its segment
+in the reduce dtype, takes its own piece exact (it never travels, so it is never quantised:
+every format, whatever ``W``) and sums the ``W`` pieces in rank order (:func:`sum_pieces`),
+so the sum is fp32 whatever the wire carried. The same functions run in the engine and in a
+single-process reference. Error feedback's residual is :mod:`.wire_residual`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,14 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GradientReduce", "WireBlocks", "wire_blocks", "quantize", "dequantize", "sum_pieces",
-           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "MIN_BLOCK"]
+           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "RESIDUAL_DTYPES", "MIN_BLOCK"]
 
 WIRE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+# error feedback's residual storage when residual_dtype is left out: the cheapest that keeps
+# the accumulated error at fp32 storage's (docs/gradient-reduce.md, "Residual storage")
+_DEFAULT_RESIDUAL = {torch.int8: torch.int8, torch.bfloat16: torch.bfloat16, torch.float8_e4m3fn: torch.bfloat16}
 MIN_BLOCK = 128  # small units are merged until a block has this many elements (scale overhead <= 1/32)
 
 
@@ -37,12 +43,16 @@ MIN_BLOCK = 128  # small units are merged until a block has this many elements (
 class GradientReduce:
     """How ``fully_shard`` sends gradients to their owners: ``wire_dtype`` on the wire, the
     sum in ``MixedPrecisionPolicy.reduce_dtype`` (which must then be fp32) on the rank that
-    owns the segment. ``error_feedback``: keep what the quantisation dropped and add it to the
-    next step's gradient before quantising again (one persistent fp32 buffer of the unsharded
-    gradient's size per DBuffer)."""
+    owns the segment. ``error_feedback``: keep what the quantisation dropped from the pieces
+    this rank sent and add it to the next step's gradient before quantising again.
+    ``residual_dtype``: that residual's storage (:mod:`.wire_residual`): ``torch.float32``,
+    ``torch.bfloat16`` or, for the int8 wire, ``torch.int8`` (codes against each block's wire
+    scale); left out, int8 for the int8 wire and bf16 for the others. It holds ``(W - 1) / W``
+    of the unsharded gradient per DBuffer per rank."""
 
     wire_dtype: torch.dtype = torch.bfloat16
     error_feedback: bool = False
+    residual_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
@@ -50,6 +60,22 @@ class GradientReduce:
             raise ValueError(f"GradientReduce: wire_dtype={self.wire_dtype!r}; choose one of {names}")
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"GradientReduce: error_feedback must be a bool, got {self.error_feedback!r}")
+        res = self.residual_dtype
+        if res is None:
+            if self.error_feedback:  # resolved here, so equal formats compare equal
+                object.__setattr__(self, "residual_dtype", _DEFAULT_RESIDUAL[self.wire_dtype])
+            return
+        if not self.error_feedback:
+            raise ValueError(f"GradientReduce: residual_dtype={res} is the error-feedback residual's storage, and "
+                             "error_feedback is False; pass error_feedback=True or leave residual_dtype out")
+        if res not in RESIDUAL_DTYPES:
+            names = ", ".join(str(d) for d in RESIDUAL_DTYPES)
+            raise ValueError(f"GradientReduce: residual_dtype={res!r}; choose one of {names}")
+        if res is torch.int8 and self.wire_dtype is not torch.int8:
+            raise ValueError(
+                f"GradientReduce: residual_dtype=torch.int8 keeps the residual as codes of the int8 wire's block "
+                f"scale (|r| <= scale / 2); the {self.wire_dtype} wire's rounding error is bounded per element, not "
+                "by a block scale: use residual_dtype=torch.bfloat16 (or torch.float32), or wire_dtype=torch.int8")
 
     @property
     def scaled(self) -> bool:
@@ -175,27 +201,33 @@ def wire_bytes(blocks: WireBlocks, fmt: GradientReduce, rank: int) -> tuple[int,
     return codes + sent, codes + received
 
 
-def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, rank: int,
-                     divide_factor: float | None = None, residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
+def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, rank: int | None,
+                     divide_factor: float | None = None, residuals: list | None = None):
     """What rank ``rank``'s segment gets when the ranks' unsharded gradients are ``grads``,
-    computed in one process with the same block math (the tests' reference; ``residuals``:
-    each rank's error-feedback buffer, updated in place)."""
+    computed in one process with the same block math (the tests' reference): every other
+    rank's piece quantised and dequantised, ``rank``'s own piece exact. ``rank=None``: every
+    rank's segment, as a list (one quantisation per rank, as in the engine). ``residuals``:
+    each rank's :class:`~ragged_fsdp.quant.wire_residual.Residual`, updated in place once."""
     blocks = wire_blocks(layout)
     W, S = blocks.world_size, blocks.segment
-    mine = blocks.of_segment(rank)
-    pieces = []
+    sent = []
     for k, g in enumerate(grads):
-        x = g if residuals is None else g + residuals[k]
+        x = g.clone()
+        if residuals is not None:
+            residuals[k].add_into(x)
         codes, scale = quantize(x, blocks.lengths, fmt)
         if residuals is not None:
-            torch.sub(x, dequantize(codes, scale, blocks.lengths, x.dtype, fmt), out=residuals[k])
-        c = codes[rank * S:(rank + 1) * S]
-        sc = None if scale is None else scale[blocks.starts[rank]:blocks.starts[rank] + blocks.per_segment[rank]]
-        pieces.append((c, sc))
-    if pieces[0][1] is None:
-        deq = torch.stack([c for c, _ in pieces]).to(grads[0].dtype)
-    else:
-        deq = dequantize(torch.cat([c for c, _ in pieces]), torch.cat([s for _, s in pieces]), mine.repeat(W),
-                         grads[0].dtype, fmt).view(W, S)
-    # the divide as the engine lands it (one multiply by 1/factor, not a division)
-    return sum_pieces(deq).mul_(1.0 / float(divide_factor or W))
+            residuals[k].keep(x, codes, scale)
+        sent.append((x, codes, scale))
+    out = []
+    for r in range(W) if rank is None else (rank,):
+        seg, first, n = slice(r * S, (r + 1) * S), blocks.starts[r], blocks.per_segment[r]
+        if fmt.scaled:
+            deq = dequantize(torch.cat([c[seg] for _, c, _ in sent]), torch.cat([sc[first:first + n] for *_, sc in sent]),
+                             blocks.of_segment(r).repeat(W), grads[0].dtype, fmt).view(W, S)
+        else:
+            deq = torch.stack([c[seg] for _, c, _ in sent]).to(grads[0].dtype)
+        deq[r].copy_(sent[r][0][seg])  # the own piece never travels
+        # the divide as the engine lands it (one multiply by 1/factor, not a division)
+        out.append(sum_pieces(deq).mul_(1.0 / float(divide_factor or W)))
+    return out if rank is None else out[0]

@@ -23,7 +23,10 @@ Each option maps to one cost model (docs/simulate.md, "Cost models"):
   ``WIRE_BLOCK`` elements), and the local work of the format (quantise, error feedback,
   dequantise and the fp32 sum) is memory traffic of :data:`WIRE_LOCAL_BYTES` per element of
   the unsharded gradient (:mod:`.timing`). Other frameworks are unchanged (they have no such
-  option); the HSDP replicate all-reduce stays fp32, as in the engine.
+  option); the HSDP replicate all-reduce stays fp32, as in the engine. ``grad_wire_residual``:
+  error feedback's residual storage (:data:`RESIDUAL_BYTES` per element of the pieces a rank
+  sends, ``(W - 1) / W`` of each group's unsharded gradient; default as the engine's:
+  int8 for the int8 wire, bf16 for the others).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import math
 from dataclasses import dataclass
 
 __all__ = ["Recipe", "AC_MODES", "FLOAT8_RECIPES", "PP_SCHEDULES", "MAX_GPUS", "check_finite", "GRAD_WIRES",
-           "WIRE_BYTES", "WIRE_BLOCK", "WIRE_LOCAL_BYTES"]
+           "WIRE_BYTES", "WIRE_BLOCK", "WIRE_LOCAL_BYTES", "RESIDUAL_BYTES", "DEFAULT_RESIDUAL",
+           "feedback_bytes"]
 
 AC_MODES = ("none", "selective", "op", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
@@ -48,15 +52,33 @@ WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK, "fp8": 1.0 + 4.0 / WI
 #   "quantise" (sender, before the all-to-all): int8: abs (4+4), segment max (4), scales
 #     repeated (4), divide (4+4+4), round (4+4), clamp (4+4), cast (4+1) = 49; fp8: the same
 #     without round and clamp = 33; bf16: one cast (4+2) = 6;
-#   "feedback" (error feedback, sender): grad + residual (12), dequantise (codes to fp32 4+1
-#     or 2+4, scales repeated 4, multiply 12), residual = x - that (12): 45 (bf16: 30);
+#   "feedback" (error feedback, sender): see feedback_bytes, which replaces this entry;
 #   "sum" (receiver, on the reduction's lane): dequantise every piece (21; bf16 6) and the
 #     fp32 sum over the pieces (4).
 WIRE_LOCAL_BYTES = {
-    "bf16": {"quantise": 6.0, "feedback": 30.0, "sum": 10.0},
-    "int8": {"quantise": 49.0, "feedback": 45.0, "sum": 25.0},
-    "fp8": {"quantise": 33.0, "feedback": 45.0, "sum": 25.0},
+    "bf16": {"quantise": 6.0, "sum": 10.0},
+    "int8": {"quantise": 49.0, "sum": 25.0},
+    "fp8": {"quantise": 33.0, "sum": 25.0},
 }
+# error feedback's residual storage (quant/wire_residual.py), bytes per residual element: int8
+# codes carry the fp32 scale of each block they were taken against; int8 only for the int8 wire
+RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK}
+DEFAULT_RESIDUAL = {"int8": "int8", "fp8": "bf16", "bf16": "bf16"}
+
+
+def feedback_bytes(wire: str, store: str) -> float:
+    """Error feedback's traffic per element on the sender (quant/wire_residual.py, unfused):
+    copy the gradient (4+4); decode the residual and add it (fp32: add 12; bf16: cast 2+4,
+    add 12; int8: cast 1+4, scales repeated 4, multiply 12, add 12); dequantise the codes
+    (int8/fp8: cast 1+4, scales repeated 4, multiply 12; bf16: cast 2+4); x - that (12);
+    encode (fp32: copy 4+4; bf16: cast 4+2; int8: steps repeated 4, divide 12, round 8,
+    clamp 8, cast 4+1)."""
+    decode = {"fp32": 12.0, "bf16": 18.0, "int8": 33.0}[store]
+    dequant = 6.0 if wire == "bf16" else 21.0
+    encode = {"fp32": 8.0, "bf16": 6.0, "int8": 37.0}[store]
+    return 8.0 + decode + dequant + 12.0 + encode
+
+
 MAX_GPUS = 131072  # as `plan` (MAX_WORLD): beyond it the planner's per-rank tables grow without bound
 
 
@@ -74,12 +96,29 @@ class Recipe:
     pp_virtual: int = 2  # stages per rank for interleaved_1f1b (torchtitan's default for looped schedules)
     grad_wire: str | None = None  # ragged_fsdp's gradient_reduce wire: None (fp32 reduce-scatter), bf16, int8, fp8
     grad_wire_ef: bool = False  # with grad_wire: error feedback
+    grad_wire_residual: str | None = None  # with grad_wire_ef: the residual's storage (None: the engine's default)
+
+    @property
+    def residual_storage(self) -> str | None:
+        if not self.grad_wire_ef:
+            return None
+        return self.grad_wire_residual or DEFAULT_RESIDUAL[self.grad_wire]
 
     def check(self, tp: int, pp: int, local_batch: int) -> None:
         if self.grad_wire is not None and self.grad_wire not in GRAD_WIRES:
             raise ValueError(f"--grad-wire {self.grad_wire!r}: choose one of {', '.join(GRAD_WIRES)}")
         if self.grad_wire_ef and self.grad_wire is None:
             raise ValueError("--grad-wire-ef needs --grad-wire bf16|int8|fp8 (the residual is of the wire format)")
+        res = self.grad_wire_residual
+        if res is not None:
+            if not self.grad_wire_ef:
+                raise ValueError("--grad-wire-residual is error feedback's storage: add --grad-wire-ef")
+            if res not in RESIDUAL_BYTES:
+                raise ValueError(f"--grad-wire-residual {res!r}: choose one of {', '.join(RESIDUAL_BYTES)}")
+            if res == "int8" and self.grad_wire != "int8":
+                raise ValueError(f"--grad-wire-residual int8 keeps codes of the int8 wire's block scale; the "
+                                 f"{self.grad_wire} wire's rounding error is bounded per element: use "
+                                 "--grad-wire-residual bf16 (or fp32)")
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8_RECIPES)}")
         if self.float8_allgather and self.float8 is None:

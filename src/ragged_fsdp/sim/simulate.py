@@ -21,7 +21,7 @@ from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
-from .options import AC_MODES, MAX_GPUS, WIRE_BYTES, WIRE_LOCAL_BYTES, Recipe
+from .options import AC_MODES, MAX_GPUS, RESIDUAL_BYTES, WIRE_BYTES, WIRE_LOCAL_BYTES, Recipe, feedback_bytes
 from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
 from .tensor_parallel import tp_block_comm
@@ -240,7 +240,8 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     if wire is not None:
         loc = WIRE_LOCAL_BYTES[wire]
         wkw = dict(wire_bytes=WIRE_BYTES[wire], wire_sum_bytes=loc["sum"],
-                   wire_sender_bytes=loc["quantise"] + (loc["feedback"] if rc.grad_wire_ef else 0.0))
+                   wire_sender_bytes=loc["quantise"] + (feedback_bytes(wire, rc.residual_storage) if rc.grad_wire_ef
+                                                        else 0.0))
     ti = TimeInputs(layouts=L, comp_f=comp_f, comp_b=comp_b, cb=cb, rb=rb, replicate=mesh.replicate,
                     kept=kept, reshard_after_forward=reshard, opt_elems=opt_elems,
                     optimizer=sc.optimizer, ns_flops=ctx["ns_total"] / mesh.tp / pp, ns_world=ns_world,
@@ -253,15 +254,21 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
 def _grad_reduce(fw: str, sc: Scenario, arch: Arch, per_stage, s_time: int) -> dict:
     """The gradient reduction of the slowest stage: its format, the bytes one rank sends per
     step (shard dim), the wire's local seconds, and the error-feedback residual's bytes per
-    rank (one fp32 buffer of the unsharded gradient per group)."""
+    rank: the pieces this rank sends, (W - 1) / W of each group's unsharded gradient, in the
+    residual's storage (the own segment is summed exact and has none)."""
     rc = sc.recipe
     wire = rc.grad_wire if fw == "ragged" else None
     _, _, tr, L = next(x for x in per_stage if x[0] == s_time)
     fmt = "fp32 reduce-scatter" if wire is None else f"{wire} wire, fp32 sum" + (", error feedback" if rc.grad_wire_ef
                                                                                else "")
-    ef = 4.0 * sum(g.gathered for g in L) if (wire is not None and rc.grad_wire_ef) else 0.0
+    store = rc.residual_storage if wire is not None else None
+    ef = (RESIDUAL_BYTES[store] * sum((g.shard_world - 1) * g.segment for g in L)) if store else 0.0
+    if store:
+        fmt += f", {store} residual"
     return {"format": fmt, "sent_bytes": tr.reduce_sent_bytes, "wire_local_s": tr.wire_local_s,
-            "feedback_bytes": ef}
+            "feedback_bytes": ef, "residual": store,
+            # per element of this rank's unsharded gradient ((W-1)/W of the storage's bytes)
+            "feedback_bytes_per_element": ef / max(1, sum(g.gathered for g in L))}
 
 
 def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> list[FrameworkResult]:
@@ -288,8 +295,8 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         s_mem, mem, _, L_mem = max(per_stage, key=lambda x: x[1].peak)
         s_time, _, tr, _ = max(per_stage, key=lambda x: x[2].step)
         peak = mem.peak * (1 + prof.alloc_reserve) + prof.reserved_bytes
-        # error feedback's residuals persist through the step: one fp32 buffer of each
-        # group's unsharded gradient (fsdp/wire_reduce.py), on top of every phase's peak
+        # error feedback's residuals persist through the step: the sent pieces of each
+        # group's unsharded gradient (quant/wire_residual.py), on top of every phase's peak
         ef = _grad_reduce(fw, sc, arch, per_stage, s_mem)["feedback_bytes"]
         peak += ef * (1 + prof.alloc_reserve)
         items = {**mem.items, **({"error-feedback residuals": ef} if ef else {})}
