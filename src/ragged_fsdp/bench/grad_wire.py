@@ -161,7 +161,7 @@ class _ErrorProbe:
 
     def __enter__(self):
         from ragged_fsdp.fsdp import reduction
-        from ragged_fsdp.fsdp.device import Pending
+        from ragged_fsdp.fsdp.comms.device import Pending
 
         self._mod, self._orig = reduction, reduction.wire_reduce_scatter
         probe = self

@@ -23,21 +23,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ragged_fsdp.quant import BlockFP8
 
-from .device import device_for
-from .init import (
+from .comms.device import device_for
+from .core.init import (
     collect_params, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of,
 )
-from .consistency import check_same_answers
-from .mesh_info import place_params, resolve_mesh
-from .offload import attach as attach_offload
-from .offload_hooks import require_streaming_optimizers
-from .offload_policy import resolve_offload
-from .param_group import ParamGroup
-from .sharded_param import local_of
-from .state import FSDPState
-from .torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
-from .torch_state import register_torch_state
+from .core.consistency import check_same_answers
+from .core.mesh_info import place_params, resolve_mesh
+from .offload.staging import attach as attach_offload
+from .offload.optimizers import require_streaming_optimizers
+from .offload.policy import resolve_offload
+from .core.param_group import ParamGroup
+from .core.sharded_param import local_of
+from .core.state import FSDPState
+from .compat.torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
+from .compat.torch_state import register_torch_state
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
 
@@ -67,7 +67,7 @@ def fully_shard(
     Meshes, as torch's: 1-D (FSDP), 2-D ``(replicate, shard)`` (HSDP), TP/EP DTensor
     parameters on a sibling mesh, ``shard_placement_fn`` returning torch's
     ``ShardPlacementResult`` (a per-parameter data-parallel mesh; a plain ``Shard`` leaves the
-    layout to the planner) and ``dp_mesh_dims`` with the full SPMD mesh (``fsdp/mesh_info.py``).
+    layout to the planner) and ``dp_mesh_dims`` with the full SPMD mesh (``fsdp/core/mesh_info.py``).
 
     ``all_gather_quant=ragged_fsdp.BlockFP8(tile=(128, 128), dtype=torch.float8_e4m3fn)``
     gathers the eligible weights (floating, >= 2 dims, at least one tile, not biases) as fp8
@@ -202,7 +202,7 @@ class FSDPModule(TorchFSDPBase):
     """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does).
 
     It derives from torch's own ``torch.distributed.fsdp.FSDPModule`` (through
-    :class:`~ragged_fsdp.fsdp.torch_module.TorchFSDPBase`, which overrides the rest of its
+    :class:`~ragged_fsdp.fsdp.compat.torch_module.TorchFSDPBase`, which overrides the rest of its
     methods), so trainers that check ``isinstance(m, FSDPModule)`` with torch's class treat
     our modules as FSDP2 modules."""
 

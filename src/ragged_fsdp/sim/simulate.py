@@ -289,7 +289,7 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         s_time, _, tr, _ = max(per_stage, key=lambda x: x[2].step)
         peak = mem.peak * (1 + prof.alloc_reserve) + prof.reserved_bytes
         # error feedback's residuals persist through the step: one fp32 buffer of each
-        # group's unsharded gradient (fsdp/wire_reduce.py), on top of every phase's peak
+        # group's unsharded gradient (fsdp/comms/wire_reduce.py), on top of every phase's peak
         ef = _grad_reduce(fw, sc, arch, per_stage, s_mem)["feedback_bytes"]
         peak += ef * (1 + prof.alloc_reserve)
         items = {**mem.items, **({"error-feedback residuals": ef} if ef else {})}

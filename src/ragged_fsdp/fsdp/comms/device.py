@@ -18,7 +18,7 @@ follows.
 all-reduce after the shard-dim reduce-scatter); ``pre()`` (optional) is local work that
 must run right before the collective, in the lane's order.
 
-What users plug in (``fsdp/extension.py``): ``use_stream(lane, stream)`` runs a lane on the
+What users plug in (``fsdp/compat/extension.py``): ``use_stream(lane, stream)`` runs a lane on the
 user's stream (``set_all_reduce_hook(stream=...)``); ``order_after(event, lane)`` makes the
 lane's next launch follow ``event`` instead of the compute stream
 (``set_post_optim_event``), and ``allocating(lane)`` is where memory that launch writes

@@ -52,11 +52,11 @@ from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.planner.granularity import Granularity
 
-from . import tracing as trace
-from .collectives import _all_gather_single
-from .device import Device, Pending
-from .sharded_param import make_sharded_param
-from .unit import ParamInfo, Unit
+from .. import tracing as trace
+from ..comms.collectives import _all_gather_single
+from ..comms.device import Device, Pending
+from ..core.sharded_param import make_sharded_param
+from ..core.unit import ParamInfo, Unit
 
 __all__ = ["is_extension", "extension_granularity", "check_extension", "SubclassStore", "SubclassUnit",
            "build_subclass_unit", "call_pre_all_gather", "adopt_foreign"]
@@ -254,7 +254,7 @@ class SubclassStore:
     def unsharded_allocated(self) -> bool:
         return False
 
-    # What re-pointing after load_state_dict(assign=True) reads (fsdp/moving.py): a slot's
+    # What re-pointing after load_state_dict(assign=True) reads (fsdp/core/moving.py): a slot's
     # "sharded view" is its piece, and copying a new local copies into the piece's own tensors.
     def sharded_view(self, i: int) -> torch.Tensor:
         return self.pieces[i]

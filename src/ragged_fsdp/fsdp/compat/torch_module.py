@@ -95,7 +95,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         # skip torch's FSDPModule._apply (it reads FSDP2 state) and go to nn.Module's.
         return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
 
-    # -- FSDP2's comm hooks, per DBuffer (see fsdp/extension.py) ----------------------------
+    # -- FSDP2's comm hooks, per DBuffer (see fsdp/compat/extension.py) ----------------------------
     def _hook_groups(self):
         g = self._fsdp_state().group
         return [] if g is None else [g]

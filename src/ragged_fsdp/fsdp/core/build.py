@@ -11,9 +11,9 @@ from ragged_fsdp.placement import RaggedShard
 
 from .consistency import check_same_layout
 from .mesh_info import ParamPlacement
-from .quant_gather import attach_quant, fp8_granularity
+from ..comms.quant_gather import attach_quant, fp8_granularity
 from .sharded_param import make_sharded_param
-from .subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
+from ..compat.subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
 from .unit import ParamInfo, Unit
 
 __all__ = ["build_units"]

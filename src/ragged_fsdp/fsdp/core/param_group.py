@@ -39,14 +39,14 @@ from ragged_fsdp.dbuffer import DBuffer
 from .backward import BackwardNeeds, ForwardRecord
 from .build import build_units
 from .common import ShardedState, TrainingState
-from .device import Device, Pending
-from .extension import CommHooks
+from ..comms.device import Device, Pending
+from ..compat.extension import CommHooks
 from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
-from .offload import release_staged
+from ..offload.staging import release_staged
 from .reduction import Settings
-from .wire_reduce import check_wire_reduce_dtype
+from ..comms.wire_reduce import check_wire_reduce_dtype
 from .unit import ParamInfo, Unit
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]

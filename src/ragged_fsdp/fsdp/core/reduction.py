@@ -36,14 +36,14 @@ import torch.distributed as dist
 
 from ragged_fsdp.quant.grad_wire import GradientReduce
 
-from . import tracing as trace
-from .collectives import all_reduce, reduce_scatter
-from .device import Device, Pending
-from .extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
+from .. import tracing as trace
+from ..comms.collectives import all_reduce, reduce_scatter
+from ..comms.device import Device, Pending
+from ..compat.extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
 from .mesh_info import DPMesh
-from .offload import grads_to_host
+from ..offload.staging import grads_to_host
 from .unit import Unit
-from .wire_reduce import wire_reduce_scatter
+from ..comms.wire_reduce import wire_reduce_scatter
 
 __all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
 

@@ -36,14 +36,14 @@ from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from . import tracing as trace
-from .collectives import Comm, all_gather
-from .device import Device, Pending
-from .extension import CommHooks
+from .. import tracing as trace
+from ..comms.collectives import Comm, all_gather
+from ..comms.device import Device, Pending
+from ..compat.extension import CommHooks
 from .mesh_info import DPMesh
-from .quant_gather import quant_all_gather
+from ..comms.quant_gather import quant_all_gather
 from .sharded_param import local_of, make_sharded_grad
-from .wire_reduce import WireState
+from ..comms.wire_reduce import WireState
 
 __all__ = ["ParamInfo", "Unit"]
 

@@ -27,10 +27,10 @@ import torch
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from . import tracing as trace
-from .device import Device, Pending
-from .offload_policy import OffloadPolicy
-from .sharded_param import repoint
+from .. import tracing as trace
+from ..comms.device import Device, Pending
+from .policy import OffloadPolicy
+from ..core.sharded_param import repoint
 
 __all__ = ["UnitOffload", "attach", "policy_of", "host_empty", "release_staged", "grads_to_host"]
 
