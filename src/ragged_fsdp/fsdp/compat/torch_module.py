@@ -186,7 +186,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         states = st.ctx.all_states or self._fsdp_states(True)
         for s in states:
             if s.group is not None:
-                s.group.post_optim_event = event
+                s.group.set_post_optim_event(event)
 
     # -- refused, with the reason ----------------------------------------------------------
     def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:

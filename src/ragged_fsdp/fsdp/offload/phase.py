@@ -170,9 +170,9 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
     for p, k, v in states:
         _replace_state(optimizer, p, k, v, _rewrap(v, mover.moved(local_of(v))))
     for g in groups:
-        g.on_host = True if to_host else None
+        g.set_on_host(to_host)
         for u in g.units:
-            u.last_grad_seg = None
+            u.forget_grad_segment()
 
 
 def offload_to_host(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
