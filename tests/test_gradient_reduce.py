@@ -290,7 +290,7 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
         errs = probed["grad_rel_err_per_step"]
         assert len(errs) == 3 and all(0 < e < 0.1 for e in errs), errs
     # the probe wraps the engine's function and puts it back
-    from ragged_fsdp.fsdp import reduction
+    from ragged_fsdp.fsdp.core import reduction
     from ragged_fsdp.fsdp.comms.wire_reduce import wire_reduce_scatter
 
     assert reduction.wire_reduce_scatter is wire_reduce_scatter
