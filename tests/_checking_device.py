@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_fsdp.fsdp import device as _device
+from ragged_fsdp.fsdp.comms import device as _device
 
 # data_ptr of each poisoned tensor -> (the snapshot of its contents, the version it had)
 _poisoned: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, int]] = {}

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from _dist import cpu_mesh, full, global_batch
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.device import in_flight
+from ragged_fsdp.fsdp.comms.device import in_flight
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 
 

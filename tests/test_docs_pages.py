@@ -87,3 +87,16 @@ def test_render_optional_block_without_json(tmp_path):
     page.write_text(page.read_text().replace(" optional", ""))
     with pytest.raises(render.RenderError, match="does not exist"):
         render.render_page(page.read_text(), page)
+
+
+def test_the_engine_table_lists_every_file_once():
+    """docs/architecture.md's table of ragged_fsdp/fsdp/ names each file of the tree once (the
+    sub-packages' __init__.py, docstrings only, are described above the table)."""
+    text = (DOCS / "architecture.md").read_text()
+    table = text[text.index("## The engine's objects"):text.index("## One step")]
+    rows = re.findall(r"^\| `([\w/]+\.py)` \|", table, re.M)
+    engine = ROOT / "src/ragged_fsdp/fsdp"
+    files = sorted(str(p.relative_to(engine)) for p in engine.rglob("*.py")
+                   if not (p.name == "__init__.py" and p.parent != engine))
+    assert len(rows) == len(set(rows)), f"listed twice: {sorted({r for r in rows if rows.count(r) > 1})}"
+    assert sorted(rows) == files, f"missing: {sorted(set(files) - set(rows))}, not in the tree: {sorted(set(rows) - set(files))}"

@@ -23,7 +23,7 @@ from _dist import check_case, cpu_mesh, full, global_batch, run_cases
 
 from ragged_fsdp import BlockFP8, fully_shard
 from ragged_fsdp.dbuffer.planning import plan_layout
-from ragged_fsdp.fsdp.quant_gather import fp8_granularity
+from ragged_fsdp.fsdp.comms.quant_gather import fp8_granularity
 from ragged_fsdp.planner.granularity import Granularity
 from ragged_fsdp.quant import (
     FP8_DTYPES, ScaleLayout, TileGeometry, dequantize_pieces, per_tensor_quantize_dequantize, quantize_dequantize,

@@ -175,8 +175,8 @@ def case_gloo_reduction_chunked_same_bits(rank, world):
     """Above the receive bound the gloo reduction runs in column chunks: same bits."""
     import torch.distributed as dist
 
-    import ragged_fsdp.fsdp.collectives as col
-    from ragged_fsdp.fsdp.device import Device
+    import ragged_fsdp.fsdp.comms.collectives as col
+    from ragged_fsdp.fsdp.comms.device import Device
 
     comm = col.Comm.of(dist.group.WORLD)
     dev = Device(torch.device("cpu"))

@@ -81,7 +81,7 @@ def case_hsdp_accumulation_skips_all_reduce(rank, world):
         model.set_requires_all_reduce(m == micro - 1)
 
     dist.all_reduce = counting
-    import ragged_fsdp.fsdp.collectives as coll
+    import ragged_fsdp.fsdp.comms.collectives as coll
 
     coll.dist.all_reduce = counting
     try:

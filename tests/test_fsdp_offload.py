@@ -34,7 +34,7 @@ from _patterns import _ce, _tiny, _wrap_blocks
 import ragged_fsdp
 from ragged_fsdp import OffloadPolicy, load_to_device, offload_to_host
 from ragged_fsdp.fsdp import trace
-from ragged_fsdp.fsdp.offload_policy import force_host_copies, resolve_offload
+from ragged_fsdp.fsdp.offload.policy import force_host_copies, resolve_offload
 from ragged_fsdp.models.llama import Llama
 from ragged_fsdp.optim import AdamW
 
@@ -50,7 +50,7 @@ def _build(world, policy, seed=0):
 
 
 def _units(model):
-    from ragged_fsdp.fsdp.init import state_of
+    from ragged_fsdp.fsdp.core.init import state_of
 
     out = []
     for m in model.modules():

@@ -172,8 +172,8 @@ def _rank_grad(k, n, step=0):
 
 def case_collective_matches_reference(rank, world):
     from ragged_fsdp.comm import Comm
-    from ragged_fsdp.fsdp.device import Device
-    from ragged_fsdp.fsdp.wire_reduce import WireState, wire_reduce_scatter
+    from ragged_fsdp.fsdp.comms.device import Device
+    from ragged_fsdp.fsdp.comms.wire_reduce import WireState, wire_reduce_scatter
 
     failed = []
     for size in (1, 2, 3, 4):
@@ -378,8 +378,8 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
         errs = probed["grad_rel_err_per_step"]
         assert len(errs) == 3 and all(0 < e < 0.1 for e in errs), errs
     # the probe wraps the engine's function and puts it back
-    from ragged_fsdp.fsdp import reduction
-    from ragged_fsdp.fsdp.wire_reduce import wire_reduce_scatter
+    from ragged_fsdp.fsdp.core import reduction
+    from ragged_fsdp.fsdp.comms.wire_reduce import wire_reduce_scatter
 
     assert reduction.wire_reduce_scatter is wire_reduce_scatter
 

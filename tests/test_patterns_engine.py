@@ -18,7 +18,7 @@ from _dist import check_case, cpu_mesh, run_cases
 from _patterns import HiddenLlama, _ce, _tiny, _wrap_blocks, compare_steps
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.device import drain, in_flight
+from ragged_fsdp.fsdp.comms.device import drain, in_flight
 from ragged_fsdp.models.llama import Llama
 
 
@@ -75,7 +75,7 @@ def case_early_reduction_mismatch_is_an_error(rank, world):
     """If ranks disagree on which reductions ran early (an owner module run on some ranks
     only), the end-of-backward flag all-reduce sees it and every rank raises. Simulated:
     rank 0 labels the root's end-of-backward reductions as early."""
-    from ragged_fsdp.fsdp.init import state_of
+    from ragged_fsdp.fsdp.core.init import state_of
 
     torch.manual_seed(0)
     model = _wrap_blocks(Llama(_tiny()), cpu_mesh(world))
@@ -332,7 +332,7 @@ def case_unconsumed_prefetch_is_drained(rank, world):
 # -- input that must be refused --------------------------------------------------------------
 def case_rank_dependent_granularity(rank, world):
     """Same buffer size on every rank but a different layout: must not train silently."""
-    from ragged_fsdp.fsdp.consistency import LayoutMismatchError
+    from ragged_fsdp.fsdp.core.consistency import LayoutMismatchError
 
     mesh = cpu_mesh(world)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))

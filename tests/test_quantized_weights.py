@@ -177,7 +177,7 @@ def case_subclass_errors(rank, world):
         fully_shard(bad, mesh=mesh, granularity_fn=lambda n, p: "row" if n == "weight" else None)
     # offload moves DBuffers; a subclass weight's gather inputs live in its own buffers
     from ragged_fsdp import OffloadPolicy, offload_to_host
-    from ragged_fsdp.fsdp.offload_policy import force_host_copies
+    from ragged_fsdp.fsdp.offload.policy import force_host_copies
 
     force_host_copies(True)  # on a CPU mesh a policy moves nothing unless host copies are forced
     try:
@@ -205,7 +205,7 @@ def case_qlora(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ragged_fsdp import fully_shard
-    from ragged_fsdp.fsdp.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
     from ragged_fsdp.models.qlora import LoRALinear
     from ragged_fsdp.quant.nf4 import NF4Weight
 
@@ -357,7 +357,7 @@ def _models():
 
 
 def _rows(model, W, rank):
-    from ragged_fsdp.fsdp.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
 
     out = {}
     for blk in model:

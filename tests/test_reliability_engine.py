@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from _dist import check_case, full, global_batch, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.consistency import LayoutMismatchError
+from ragged_fsdp.fsdp.core.consistency import LayoutMismatchError
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 from ragged_fsdp.placement import RaggedShard, from_local
 

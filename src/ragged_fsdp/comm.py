@@ -5,7 +5,7 @@ uneven contiguous runs that the placement needs.
 Why a backend choice at all: on gloo, ``reduce_scatter`` is an all-reduce underneath (each
 rank moves the whole buffer twice); an ``all_to_all_single`` moves only the pieces the other
 ranks own, and a local sum finishes it. NCCL has a real reduce-scatter. ``Comm.gloo`` is the
-one test for that, used by the engine (``fsdp/collectives.py``, equal segments of a DBuffer,
+one test for that, used by the engine (``fsdp/comms/collectives.py``, equal segments of a DBuffer,
 asynchronous, chunked) and by the placement (``reduce_scatter_runs`` below, uneven runs).
 """
 

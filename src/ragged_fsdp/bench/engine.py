@@ -349,7 +349,7 @@ def hsdp_segment_bytes(model: torch.nn.Module) -> int:
     """Sum over ragged_fsdp's trainable buffers that have a replicate dim of the sharded
     segment's bytes in the reduce dtype: what its HSDP all-reduces should send per step
     (one all-reduce of the reduce-scattered segment per buffer), read off the groups."""
-    from ragged_fsdp.fsdp.init import state_of
+    from ragged_fsdp.fsdp.core.init import state_of
 
     total, seen = 0, set()
     for m in model.modules():

@@ -188,8 +188,8 @@ class _ErrorProbe:
         self.per_step, self.accumulated, self.accumulated_ref = [], [], []
 
     def __enter__(self):
-        from ragged_fsdp.fsdp import reduction
-        from ragged_fsdp.fsdp.device import Pending
+        from ragged_fsdp.fsdp.core import reduction
+        from ragged_fsdp.fsdp.comms.device import Pending
 
         self._mod, self._orig = reduction, reduction.wire_reduce_scatter
         probe = self

@@ -83,9 +83,9 @@ def _hook_table():
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as tpg
     from torch.distributed.fsdp._fully_shard import _fsdp_state as tst
 
-    from ragged_fsdp.fsdp import param_group as rpg
-    from ragged_fsdp.fsdp import state as rst
-    from ragged_fsdp.fsdp import unit as run
+    from ragged_fsdp.fsdp.core import param_group as rpg
+    from ragged_fsdp.fsdp.core import state as rst
+    from ragged_fsdp.fsdp.core import unit as run
 
     return {
         "fsdp2": [
@@ -101,7 +101,7 @@ def _hook_table():
             (rst.FSDPState, "_after_forward_raised", "post_forward"),
             (rst.FSDPState, "_pre_backward", "pre_backward"),
             (run.Unit, "_on_grad", "post_backward"),
-            (rpg.ParamGroup, "_after_grad", "post_backward"),
+            (rpg.ParamGroup, "after_grad", "post_backward"),
             (rpg.ParamGroup, "_post_backward_from_autograd", "post_backward"),
             (rst.FSDPState, "_final_callback", "end_backward"),
         ],

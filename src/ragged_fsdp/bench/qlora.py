@@ -150,7 +150,7 @@ def _base_equal(model, ref) -> bool:
 
 
 def _blocks_whole(model) -> bool:
-    from ragged_fsdp.fsdp.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
 
     span = 64 * 256
     for b in model.layers:

@@ -130,7 +130,8 @@ class _Counter:
 def _timed_checks(out: list):
     """Adds the CPU seconds of ragged_fsdp's cross-rank checks (layout and mesh answers) to
     ``out[0]``: they are looked up through these module attributes at call time."""
-    from ragged_fsdp.fsdp import api, build
+    from ragged_fsdp.fsdp import api
+    from ragged_fsdp.fsdp.core import build
 
     saved = (build.check_same_layout, api.check_same_answers)
 

@@ -74,7 +74,7 @@ class DBuffer:
         self._grad_versions: list[int] = []
         self.quant = None  # set by fully_shard(all_gather_quant=...): gathered as codes + scales
         # offload_policy(params=True): the sharded segment lives on the host; ``staged`` is its
-        # device copy while an all-gather reads it (see ragged_fsdp.fsdp.offload)
+        # device copy while an all-gather reads it (see ragged_fsdp.fsdp.offload.staging)
         self.host_sharded = False
         self.staged: torch.Tensor | None = None
 

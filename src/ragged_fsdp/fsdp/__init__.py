@@ -1,8 +1,8 @@
 """The training engine: a drop-in ``fully_shard`` built on DBuffers."""
 from .api import FSDPModule, UnshardHandle, fully_shard
-from .extension import register_fsdp_forward_method
-from .offload_policy import OffloadPolicy
-from .phase import load_to_device, offload_to_host
+from .compat.extension import register_fsdp_forward_method
+from .offload.phase import load_to_device, offload_to_host
+from .offload.policy import OffloadPolicy
 from .tracing import Event, Trace, trace
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "trace", "Trace", "Event",

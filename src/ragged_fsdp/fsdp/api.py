@@ -23,21 +23,21 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ragged_fsdp.quant import BlockFP8
 
-from .device import device_for
-from .init import (
+from .comms.device import device_for
+from .core.init import (
     collect_params, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of,
 )
-from .consistency import check_same_answers
-from .mesh_info import place_params, resolve_mesh
-from .offload import attach as attach_offload
-from .offload_hooks import require_streaming_optimizers
-from .offload_policy import resolve_offload
-from .param_group import ParamGroup
-from .sharded_param import local_of
-from .state import FSDPState
-from .torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
-from .torch_state import register_torch_state
+from .compat.torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
+from .compat.torch_state import register_torch_state
+from .core.consistency import check_same_answers
+from .core.mesh_info import place_params, resolve_mesh
+from .core.param_group import ParamGroup
+from .core.sharded_param import local_of
+from .core.state import FSDPState
+from .offload.optimizers import require_streaming_optimizers
+from .offload.policy import resolve_offload
+from .offload.staging import attach as attach_offload
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
 
@@ -67,7 +67,7 @@ def fully_shard(
     Meshes, as torch's: 1-D (FSDP), 2-D ``(replicate, shard)`` (HSDP), TP/EP DTensor
     parameters on a sibling mesh, ``shard_placement_fn`` returning torch's
     ``ShardPlacementResult`` (a per-parameter data-parallel mesh; a plain ``Shard`` leaves the
-    layout to the planner) and ``dp_mesh_dims`` with the full SPMD mesh (``fsdp/mesh_info.py``).
+    layout to the planner) and ``dp_mesh_dims`` with the full SPMD mesh (``fsdp/core/mesh_info.py``).
 
     ``all_gather_quant=ragged_fsdp.BlockFP8(tile=(128, 128), dtype=torch.float8_e4m3fn)``
     gathers the eligible weights (floating, >= 2 dims, at least one tile, not biases) as fp8
@@ -202,7 +202,7 @@ class FSDPModule(TorchFSDPBase):
     """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does).
 
     It derives from torch's own ``torch.distributed.fsdp.FSDPModule`` (through
-    :class:`~ragged_fsdp.fsdp.torch_module.TorchFSDPBase`, which overrides the rest of its
+    :class:`~ragged_fsdp.fsdp.compat.torch_module.TorchFSDPBase`, which overrides the rest of its
     methods), so trainers that check ``isinstance(m, FSDPModule)`` with torch's class treat
     our modules as FSDP2 modules."""
 
@@ -257,7 +257,7 @@ class FSDPModule(TorchFSDPBase):
         """False: accumulate unsharded gradients locally, no reduce-scatter (no_sync)."""
         for st in self._fsdp_states(recurse):
             if st.group is not None:
-                st.group.reduce_grads = requires_gradient_sync
+                st.group.set_reduce_grads(requires_gradient_sync)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         if not isinstance(reshard_after_forward, bool):
@@ -265,12 +265,12 @@ class FSDPModule(TorchFSDPBase):
         for st in self._fsdp_states(recurse):
             st.auto_reshard = False
             if st.group is not None:
-                st.group.reshard_after_forward = reshard_after_forward
+                st.group.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         for st in self._fsdp_states(recurse):
             if st.group is not None:
-                st.group.reshard_after_backward = reshard_after_backward
+                st.group.set_reshard_after_backward(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters (async) when this module's forward starts."""
@@ -295,17 +295,17 @@ class FSDPModule(TorchFSDPBase):
             raise TypeError(f"set_requires_all_reduce: expected a bool, got {requires_all_reduce!r}")
         for st in self._fsdp_states(recurse):
             if st.group is not None:
-                st.group.requires_all_reduce = requires_all_reduce
+                st.group.set_requires_all_reduce(requires_all_reduce)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         g = self._fsdp_state().group
         if g is not None:
-            g.unshard_in_backward = unshard_in_backward
+            g.set_unshard_in_backward(unshard_in_backward)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         for st in self._fsdp_states(True):
             if st.group is not None:
-                st.group.gradient_divide_factor = factor
+                st.group.set_gradient_divide_factor(factor)
 
     @property
     def dbuffers(self):

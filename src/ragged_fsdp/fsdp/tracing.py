@@ -71,7 +71,7 @@ def active() -> bool:
 
 
 def record(kind: str, unit, nbytes: int, early: bool = False) -> None:
-    """Append an event for ``unit`` (a :class:`~ragged_fsdp.fsdp.unit.Unit`) to every open trace."""
+    """Append an event for ``unit`` (a :class:`~ragged_fsdp.fsdp.core.unit.Unit`) to every open trace."""
     if not _open:
         return
     group = unit.group_name()

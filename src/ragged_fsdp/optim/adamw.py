@@ -39,8 +39,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..placement.dtensor import RaggedDTensor
-from ragged_fsdp.fsdp.device import device_for
-from ragged_fsdp.fsdp.offload import policy_of
+from ragged_fsdp.fsdp.comms.device import device_for
+from ragged_fsdp.fsdp.offload.staging import policy_of
 
 from ._grouped import DEFAULT_CHUNK, adamw_grouped, flat_states
 from ._layout import layout_of, local_of, param_name, place_state
@@ -66,7 +66,7 @@ class AdamW(torch.optim.AdamW):
     has ``streamed_buckets``, ``streamed_bytes_in`` and ``streamed_bytes_out``.
     """
 
-    streams_host_states = True  # see ragged_fsdp.fsdp.offload_hooks
+    streams_host_states = True  # see ragged_fsdp.fsdp.offload.optimizers
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,

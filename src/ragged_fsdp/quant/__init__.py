@@ -1,5 +1,5 @@
 """Block-wise quantisation for the all-gather and the gradient reduction (pure math; the
-collectives are in ``ragged_fsdp.fsdp.quant_gather`` and ``ragged_fsdp.fsdp.wire_reduce``)."""
+collectives are in ``ragged_fsdp.fsdp.comms.quant_gather`` and ``ragged_fsdp.fsdp.comms.wire_reduce``)."""
 from .blockfp8 import (
     FP8_DTYPES, BlockFP8, TileGeometry, dequantize_pieces, per_tensor_quantize_dequantize,
     quantize_dequantize, quantize_pieces, tile_amax,

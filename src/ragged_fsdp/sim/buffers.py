@@ -6,7 +6,7 @@ gradient storage, issue 10). Every figure is bytes on one rank for one group ``g
 (:class:`~ragged_fsdp.sim.layout.GroupLayout`), with ``cb``/``rb`` the compute and reduce
 dtype sizes. Returned dicts name each buffer, so the output can say where frameworks differ.
 
-Sources: our engine (``ragged_fsdp.dbuffer``, ``ragged_fsdp.fsdp.collectives``); torch FSDP2
+Sources: our engine (``ragged_fsdp.dbuffer``, ``ragged_fsdp.fsdp.comms.collectives``); torch FSDP2
 (``_fsdp_collectives.py``: all-gather into one flat buffer then ``split_with_sizes_copy``
 into per-parameter unsharded tensors, gradients copied into a flat reduce-scatter input by
 ``chunk_cat``); FSDP1 (``FlatParameter``: parameters and gradients are views of one flat

@@ -48,7 +48,7 @@ WIRE_BLOCK = 128
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK, "fp8": 1.0 + 4.0 / WIRE_BLOCK}
 # Memory traffic of the format's local work, bytes per element of the unsharded gradient,
 # counted from the engine's torch ops as they run today (unfused; quant/grad_wire.py,
-# fsdp/wire_reduce.py), each op reading its inputs and writing its output once:
+# fsdp/comms/wire_reduce.py), each op reading its inputs and writing its output once:
 #   "quantise" (sender, before the all-to-all): int8: abs (4+4), segment max (4), scales
 #     repeated (4), divide (4+4+4), round (4+4), clamp (4+4), cast (4+1) = 49; fp8: the same
 #     without round and clamp = 33; bf16: one cast (4+2) = 6;

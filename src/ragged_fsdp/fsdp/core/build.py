@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 import torch.nn as nn
 
@@ -9,14 +11,32 @@ from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
 from ragged_fsdp.placement import RaggedShard
 
+from ..comms.collectives import Comm
+from ..comms.quant_gather import attach_quant, fp8_granularity
+from ..compat.extension import CommHooks
+from ..compat.subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
 from .consistency import check_same_layout
-from .mesh_info import ParamPlacement
-from .quant_gather import attach_quant, fp8_granularity
+from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param
-from .subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
 from .unit import ParamInfo, Unit
 
-__all__ = ["build_units"]
+__all__ = ["build_units", "Building"]
+
+
+class Building(Protocol):
+    """What building reads of the group it builds for (a :class:`~.param_group.ParamGroup`)."""
+
+    all_gather_quant: Any  # a BlockFP8 policy or None
+    dps: list[DPMesh]
+    device: torch.device
+    mp_policy: Any
+    hooks: CommHooks
+
+    def name(self) -> str: ...
+
+    def after_grad(self, param: torch.Tensor) -> None: ...
+
+    def _describe(self) -> str: ...
 
 
 def _embedding_only(owners) -> bool:
@@ -24,9 +44,10 @@ def _embedding_only(owners) -> bool:
     return len(owners) == 1 and isinstance(owners[0][0], nn.Embedding) and owners[0][1] == "weight"
 
 
-def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> None:
-    """Lay out ``params`` in the units of ``group`` (a ParamGroup) and register their sharded
-    parameters on the modules."""
+def build_units(group: Building, params, placed: list[ParamPlacement], granularity_fn,
+                post_forward_comm: Comm | None) -> list[Unit]:
+    """The units of ``group`` holding ``params``; their sharded parameters are registered on
+    the modules."""
     # One unit per (mesh, dtype, trainable, fp8-gathered, embedding) kind. Embedding
     # weights get their own: their gradients arrive at the very end of backward (the
     # others' near the start), and their backward needs only the indices, so that buffer
@@ -46,6 +67,7 @@ def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> 
             fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
         key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
         kinds.setdefault(key, []).append(i)
+    units: list[Unit] = []
     layouts: list = [None] * len(kinds)
     for k, dp in enumerate(group.dps):
         mine = [(j, key, idx) for j, (key, idx) in enumerate(kinds.items()) if key[0] == k]
@@ -62,21 +84,15 @@ def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> 
                           [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe())
     for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
         if fp8 == "subclass":
-            group.units.append(build_subclass_unit(
-                group, len(group.units), group.dps[dpk], layout,
-                [(*params[i], placed[i]) for i in idx], group.mp_policy))
+            units.append(build_subclass_unit(
+                group, len(units), group.dps[dpk], layout,
+                [(*params[i], placed[i]) for i in idx], group.mp_policy, post_forward_comm))
             continue
         compute, reduce_ = _mp_dtypes(group, dtype)
         buf = DBuffer(layout, device=group.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
         if fp8:
             attach_quant(buf, quant)
-        unit = Unit(len(group.units), buf, group.dps[dpk], embedding=embedding, group_name=group.name,
-                    after_grad=group._after_grad)
-        group.units.append(unit)
-        if embedding:
-            for i in idx:
-                for module, _ in params[i][2]:
-                    group.needs.hook_embedding(module)
+        index, infos = len(units), []
         for j, i in enumerate(idx):
             name, p, owners = params[i]
             pl = placed[i]
@@ -85,11 +101,13 @@ def build_units(group, params, placed: list[ParamPlacement], granularity_fn) -> 
             s = buf.slots[j]
             sharded = make_sharded_param(buf.sharded_view(j), pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
                                          tuple(p.shape), p.requires_grad)
-            info = ParamInfo(name, unit.index, j, owners, sharded, unsharded_spec=pl.unsharded_spec,
+            info = ParamInfo(name, index, j, owners, sharded, unsharded_spec=pl.unsharded_spec,
                              dp_dims=pl.dp_dims)
             info.register(sharded)
-            unit.infos.append(info)
-            group.infos.append(info)
+            infos.append(info)
+        units.append(Unit(index, buf, group.dps[dpk], infos, embedding=embedding, hooks=group.hooks,
+                          post_forward_comm=post_forward_comm, group_name=group.name, after_grad=group.after_grad))
+    return units
 
 
 def _plan(group, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):

@@ -134,10 +134,9 @@ class FSDPState:
             st.ctx = self.ctx
             self.ctx.all_states.append(st)
             if st.group is not None:
-                st.group.ctx = self.ctx
-                st.group.fqn = name
+                st.group.join_root(self.ctx, name)
         if self.auto_reshard and self.group is not None:
-            self.group.reshard_after_forward = False
+            self.group.set_reshard_after_forward(False)
         for st in self.ctx.all_states:
             if st.group is not None:
                 st.group.check_materialized()

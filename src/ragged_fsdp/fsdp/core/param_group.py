@@ -23,11 +23,15 @@ are aliases into one zeroed gradient buffer, so autograd accumulates in place (i
 dtype, via ``grad_dtype``). After the group's last use in backward, one reduction per unit
 produces the sharded gradient segment; the sharded parameters' ``.grad`` become views into it
 when the backward ends.
+
+Every field is written here only; the public setters (``api.py``), the root's lazy init
+(``state.py``) and the offload phase switch call the methods below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,29 +40,28 @@ from torch.autograd.profiler import record_function
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from .backward import BackwardNeeds, ForwardRecord
+from ..comms.device import Device, Pending
+from ..comms.wire_reduce import check_wire_reduce_dtype
+from ..compat.extension import CommHooks
+from ..offload.staging import release_staged
+from .backward import BackwardNeeds
 from .build import build_units
 from .common import ShardedState, TrainingState
-from .device import Device, Pending
-from .extension import CommHooks
-from .hooks import attach_post_backward
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
-from .offload import release_staged
 from .reduction import Settings
-from .wire_reduce import check_wire_reduce_dtype
 from .unit import ParamInfo, Unit
 
 __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
 
 
+@dataclass
 class _Backward:
-    """One backward pass (reset by the final callback after every ``backward()``)."""
+    """One backward pass (replaced by the final callback after every ``backward()``)."""
 
-    def __init__(self) -> None:
-        self.fired = 0  # PostBackward nodes of this group that ran in this backward
-        self.deferred_prefetch: ParamGroup | None = None  # the root's: issued at its first gradient
-        self.post_forward_indices: list[int] = []
+    fired: int = 0  # PostBackward nodes of this group that ran in this backward
+    deferred_prefetch: ParamGroup | None = None  # the root's: issued at its first gradient
+    post_forward_indices: list[int] = field(default_factory=list)  # its places in the root's post-forward order
 
 
 class ParamGroup:
@@ -96,20 +99,21 @@ class ParamGroup:
         self.ctx = None  # the root's shared context (set at lazy init)
         self._gathering: list[Pending] | None = None
         self._gathered_now: list[Unit] = []  # units the all-gathers in flight fill
-        self.fwd = ForwardRecord()
         self.bwd = _Backward()
         self.needs = BackwardNeeds(self)
-        self.units: list[Unit] = []
-        self.infos: list[ParamInfo] = []
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self.gradient_reduce = gradient_reduce  # a GradientReduce (wire format, fp32 sum) or None
         self.hooks = CommHooks()  # set_custom_all_gather / _reduce_scatter, set_all_reduce_hook
         self.post_optim_event = None  # set_post_optim_event: the next all-gather waits on it
-        self.on_host = None  # what offload_to_host moved to the host (see phase.py), until load_to_device
-        self._build(params, placed, granularity_fn)
+        self.on_host = None  # what offload_to_host moved to the host (see offload/phase.py), until load_to_device
+        self.units: list[Unit] = build_units(self, params, placed, granularity_fn, post_forward_comm)
+        self.infos: list[ParamInfo] = [i for u in self.units for i in u.infos]
         for u in self.units:
-            u.post_forward_comm = post_forward_comm
-            u.hooks = self.hooks
+            if u.embedding:
+                for info in u.infos:
+                    for module, _ in info.owners:
+                        self.needs.hook_embedding(module)
+        self.needs.hook_owner_modules()
         if gradient_reduce is not None:
             check_wire_reduce_dtype(self, gradient_reduce)
 
@@ -120,9 +124,35 @@ class ParamGroup:
     def settings(self) -> Settings:
         return Settings(self.gradient_divide_factor, self.requires_all_reduce, self.gradient_reduce)
 
-    def _build(self, params, placed: list[ParamPlacement], granularity_fn) -> None:
-        build_units(self, params, placed, granularity_fn)
-        self.needs.hook_owner_modules()
+    # -- what the public setters, the root and the phase switch change ---------------------
+    def join_root(self, ctx, fqn: str) -> None:
+        """The root's lazy init: its shared context (a state.RootContext) and this group's path."""
+        self.ctx = ctx
+        self.fqn = fqn
+
+    def set_reshard_after_forward(self, value: bool | int) -> None:
+        self.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, value: bool) -> None:
+        self.reshard_after_backward = value
+
+    def set_reduce_grads(self, value: bool) -> None:
+        self.reduce_grads = value
+
+    def set_requires_all_reduce(self, value: bool) -> None:
+        self.requires_all_reduce = value
+
+    def set_unshard_in_backward(self, value: bool | None) -> None:
+        self.unshard_in_backward = value
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        self.gradient_divide_factor = factor
+
+    def set_post_optim_event(self, event) -> None:
+        self.post_optim_event = event
+
+    def set_on_host(self, on_host: bool) -> None:
+        self.on_host = True if on_host else None
 
     def _describe(self) -> str:
         return self.fqn or ", ".join(type(m).__name__ for m in self.modules)
@@ -198,14 +228,10 @@ class ParamGroup:
         gathered = {id(u) for u in self._gathered_now}
         for u in self.units:
             if id(u) in gathered:
-                u.freed = False
+                u.gathered()
             elif not self.is_unsharded:
-                u.freed = True
-        for u in self._gathered_now:
-            u.register_unsharded()
+                u.not_gathered()
         self.sharded_state = ShardedState.UNSHARDED
-        for u in self.units:
-            u.kept = None
 
     def reshard(self) -> None:
         if self._gathering is not None:  # never free memory a collective still writes
@@ -220,18 +246,13 @@ class ParamGroup:
                 u.register_sharded()
             self.sharded_state = ShardedState.SHARDED
         for u in self.units:
-            u.kept = None
-            u.freed = False
-            u.free()
+            u.free_resharded()
 
-    def free_units(self, units) -> None:
+    def free_units(self, units: list[Unit]) -> None:
         """Free some units while the group stays unsharded (the next unshard re-gathers
         them); their parameters are registered sharded meanwhile."""
         for u in units:
-            if not u.freed:
-                u.free()
-                u.register_sharded()
-                u.freed = True
+            u.free_early()
 
     def reshard_post_forward(self) -> None:
         """Keep this rank's 1/k part of each unsharded buffer (k = reshard_after_forward),
@@ -252,28 +273,14 @@ class ParamGroup:
         self.unshard()
         self.wait_for_unshard()
         if torch.is_grad_enabled() and first_module:
-            if self.fwd.stale:
-                self.fwd = ForwardRecord()
-                for u in self.units:
-                    u.new_forward_record()
-            self.fwd.ran = True
-            self.needs.start()
-            args, kwargs, attached = attach_post_backward(self._post_backward_from_autograd, args, kwargs)
-            if attached:
-                self.fwd.calls += 1
-            else:
-                self.fwd.blind = True
+            args, kwargs = self.needs.begin_forward(args, kwargs, self._post_backward_from_autograd)
         return args, kwargs
 
     def recompute_forward(self) -> None:
         """Forward run again inside backward (activation-checkpoint recomputation)."""
-        self.needs.recomputed = True  # from now on backward always gathers everything
+        self.needs.recompute()  # before the unshard: from now on backward gathers everything
         self.unshard()
         self.wait_for_unshard()
-        if torch.is_grad_enabled() and not self.fwd.ran:
-            # reentrant checkpoint: the first forward ran without grad
-            self.fwd.ran = True
-            self.fwd.blind = True
 
     def post_forward(self) -> None:
         self.needs.stop()
@@ -306,7 +313,7 @@ class ParamGroup:
                 if self._is_root_group() and any(x.sharded.requires_grad for x in self.infos):
                     # the root's pre-backward fires on its output's gradient, while the loss's
                     # logits-sized temporaries may still be live: gather the next group once
-                    # the root's first gradient is in (see _after_grad)
+                    # the root's first gradient is in (see after_grad)
                     self.bwd.deferred_prefetch = nxt
                 else:
                     nxt.prefetch(TrainingState.PRE_BACKWARD)
@@ -325,7 +332,7 @@ class ParamGroup:
         finally:
             self.training_state = prev
 
-    def _after_grad(self, param: torch.Tensor) -> None:
+    def after_grad(self, param: torch.Tensor) -> None:
         """After autograd added a gradient into a gradient buffer: issue the backward
         prefetch this group deferred (see pre_backward)."""
         nxt, self.bwd.deferred_prefetch = self.bwd.deferred_prefetch, None
@@ -334,7 +341,8 @@ class ParamGroup:
 
     def _post_backward_from_autograd(self) -> None:
         self.bwd.fired += 1
-        if self.bwd.fired < self.fwd.calls or self.fwd.blind:
+        f = self.needs.fwd
+        if self.bwd.fired < f.calls or f.blind:
             # more uses of the group may still come in this backward (or in a later one,
             # when the step runs several): the final callback reduces what has arrived
             return
@@ -372,20 +380,13 @@ class ParamGroup:
             if self.reshard_after_backward:
                 self.reshard()
             return
-        # Wait for the previous group's reduction before issuing this one: one in flight
-        # while the next group computes its backward.
-        reductions = self.ctx.reductions
-        reductions.retire(0)
-        starts = [(u, *u.take_grad()) for u in self.units
-                  if u.buf.grad is not None or (u.trainable and not u.reduced_early)]
-        if self.reshard_after_backward:
-            self.reshard()
-        settings = self.settings()
-        with record_function("ragged_fsdp::reduce"):
-            for u, grad, touched in starts:
-                reductions.reduce(self.dev, u, grad, touched, settings)
-        if not self.dev.overlap_reductions:
-            reductions.retire(0)
+        # a unit reduced early is reduced again only for gradients that arrived since
+        todo = [u for u in self.units if u.buf.grad is not None or (u.trainable and not self.needs.reduced_early(u))]
+        self.reduce_units(todo, self.reshard if self.reshard_after_backward else None)
+
+    def reduce_units(self, units: list[Unit], release: Callable[[], None] | None, early: bool = False) -> None:
+        """Reduce ``units`` now (Reductions.reduce_now); ``release`` frees what they gathered."""
+        self.ctx.reductions.reduce_now(self.dev, units, self.settings(), release, early)
 
     def reduce_accumulated(self) -> None:
         """Reduce now what the step's backward passes accumulated (torch.distributed.pipelining's
@@ -411,9 +412,7 @@ class ParamGroup:
     def finish_backward(self) -> None:
         self.training_state = TrainingState.IDLE
         self.bwd = _Backward()
-        for u in self.units:
-            u.new_backward_record()
-        self.fwd.stale = True
+        self.needs.end_backward()
 
     # -- moving (nn.Module._apply, load_state_dict(assign=True)) ------------------------------
     def adopt_locals(self, locals_: list[torch.Tensor | None]) -> None:

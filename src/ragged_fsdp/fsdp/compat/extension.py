@@ -19,7 +19,7 @@ which is the same idea; here the buffer's layout is the planner's, not dim-0 chu
   on ``event`` instead of the compute stream.
 
 The settings live in one :class:`CommHooks` per group, shared with its units; the engine's
-collectives (``collectives.py``, ``reduction.py``) read them.
+collectives (``comms/collectives.py``, ``core/reduction.py``) read them.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The one owner of gradient reductions: issue, keep in flight, finish, hand out.
 
 Per root there is one :class:`Reductions` (in the root's context). A group asks it to
-reduce a unit's gradient buffer (:meth:`Reductions.reduce`); it decides how:
+reduce some units now (:meth:`Reductions.reduce_now`: its post-backward, and an early
+reduction from :mod:`.backward`, run that one sequence); per unit it decides how
+(:meth:`Reductions.reduce`):
 
 * FSDP: one reduce-scatter over the shard dim into a new sharded gradient segment, or, when
   the sharded grads already hold gradients (accumulation without ``zero_grad``), added into
@@ -12,7 +14,7 @@ reduce a unit's gradient buffer (:meth:`Reductions.reduce`); it decides how:
   with ``set_requires_all_reduce(False)`` the shard-dim sums pile up in the unit instead;
 * a unit reduced early (see :mod:`.backward`) whose late gradients arrive: they are reduced
   again and added into the early reduction's segment;
-* the unit's :class:`~.extension.CommHooks`: a custom reduce-scatter replaces the shard-dim
+* the unit's :class:`~..compat.extension.CommHooks`: a custom reduce-scatter replaces the shard-dim
   collective, and an all-reduce hook runs on this reduction's divided segment (FSDP: a
   stage of its own after the reduce-scatter; HSDP: after the all-reduce) before it is cast
   or added into the sharded grads.
@@ -30,22 +32,32 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 
 from ragged_fsdp.quant.grad_wire import GradientReduce
 
-from . import tracing as trace
-from .collectives import all_reduce, reduce_scatter
-from .device import Device, Pending
-from .extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
+from .. import tracing as trace
+from ..comms.collectives import all_reduce, reduce_scatter
+from ..comms.device import Device, Pending
+from ..comms.wire_reduce import wire_reduce_scatter
+from ..compat.extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
+from ..offload.staging import grads_to_host
 from .mesh_info import DPMesh
-from .offload import grads_to_host
 from .unit import Unit
-from .wire_reduce import wire_reduce_scatter
 
-__all__ = ["Phase", "Reduction", "PartialSum", "Reductions"]
+__all__ = ["Phase", "Reduction", "PartialSum", "Reductions", "Settings", "HandedOut"]
+
+
+class HandedOut(Protocol):
+    """What the end of backward reads of a group (a :class:`~.param_group.ParamGroup`)."""
+
+    units: list[Unit]
+
+    def _describe(self) -> str: ...
 
 
 class Phase(enum.Enum):
@@ -192,6 +204,23 @@ class Reductions:
         trace.record("reduce_scatter", red.unit, red.target.numel() * red.target.element_size(), early=red.early)
 
     # -- issuing -----------------------------------------------------------------------
+    def reduce_now(self, dev: Device, units: list[Unit], settings: Settings,
+                   release: Callable[[], None] | None = None, early: bool = False) -> None:
+        """Reduce the gradient buffers of ``units`` now. First the reduction in flight is
+        finished (one stays in flight while the next group computes its backward), then every
+        buffer is taken, then ``release`` frees the unsharded parameters (before the
+        reductions allocate their segments), then one reduction per unit; a device that does
+        not overlap them finishes it before backward goes on."""
+        self.retire(0)
+        taken = [(u, *u.take_grad()) for u in units]
+        if release is not None:
+            release()
+        with record_function("ragged_fsdp::reduce"):
+            for u, grad, touched in taken:
+                self.reduce(dev, u, grad, touched, settings, early=early)
+        if not dev.overlap_reductions:
+            self.retire(0)
+
     def reduce(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
                early: bool = False) -> None:
         """Reduce ``unit``'s gradient buffer ``grad`` over its data-parallel ranks."""
@@ -237,8 +266,7 @@ class Reductions:
         instead and the sharded grads stay as they are, until a reduction that all-reduces
         (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
         buf, dp = unit.buf, unit.dp
-        earlier, unit.partial = unit.partial, None
-        earlier_touched, unit.partial_touched = unit.partial_touched, None
+        earlier, earlier_touched = unit.take_partial()
         if earlier_touched is not None:
             touched = [x or y for x, y in zip(touched, earlier_touched)]
         if not settings.requires_all_reduce:
@@ -247,7 +275,7 @@ class Reductions:
             def keep():
                 if earlier is not None:
                     partial.add_(earlier)
-                unit.partial, unit.partial_touched = partial, touched
+                unit.keep_partial(partial, touched)
 
             first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
             self.in_flight.append(PartialSum(unit, first, keep))
@@ -298,7 +326,7 @@ class Reductions:
         trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
 
     # -- the end of backward -------------------------------------------------------------
-    def hand_out(self, groups: list) -> None:
+    def hand_out(self, groups: list[HandedOut]) -> None:
         """After every reduction finished: one all-reduce of the 'got a gradient' and
         'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
         its replicate dim under HSDP), on the host; then each unit points its sharded grads
@@ -343,6 +371,6 @@ class Reductions:
                     copy.wait()
                 r.unit.hand_out(target, [bool(x) for x in got[k:k + n]], r.had_grad)
                 if copy is not None:
-                    r.unit.last_grad_seg = None  # accumulate into a device segment, never the host one
+                    r.unit.forget_grad_segment()  # accumulate into a device segment, never the host one
                     r.target = target  # the device segment has no other owner: freed here
                 k += n

@@ -52,11 +52,11 @@ from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.planner.granularity import Granularity
 
-from . import tracing as trace
-from .collectives import _all_gather_single
-from .device import Device, Pending
-from .sharded_param import make_sharded_param
-from .unit import ParamInfo, Unit
+from .. import tracing as trace
+from ..comms.collectives import _all_gather_single
+from ..comms.device import Device, Pending
+from ..core.sharded_param import make_sharded_param
+from ..core.unit import ParamInfo, Unit
 
 __all__ = ["is_extension", "extension_granularity", "check_extension", "SubclassStore", "SubclassUnit",
            "build_subclass_unit", "call_pre_all_gather", "adopt_foreign"]
@@ -110,14 +110,15 @@ def check_extension(name: str, p: nn.Parameter, pl) -> None:
         )
 
 
-def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "SubclassUnit":
+def build_subclass_unit(group, index, dp, layout, items, mp_policy, post_forward_comm) -> "SubclassUnit":
     """A unit for ``items`` (``(name, param, owners, placement)``, the slot order of ``layout``):
     each rank keeps its rows of every subclass value, split along dim 0."""
     dtype = items[0][1].dtype
     compute = mp_policy.param_dtype or dtype
     store = SubclassStore(layout, group.device, dtype, compute, mp_policy.reduce_dtype or compute)
-    unit = SubclassUnit(index, store, dp, group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh,
-                        after_grad=group._after_grad)
+    infos = []
+    unit = SubclassUnit(index, store, dp, infos, hooks=group.hooks, post_forward_comm=post_forward_comm,
+                        group_name=group.name, mp_policy=mp_policy, mesh=dp.mesh, after_grad=group.after_grad)
     store.pieces = unit.locals
     rank = dp.shard.rank
     for j, (name, p, owners, pl) in enumerate(items):
@@ -133,11 +134,10 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy) -> "Subclass
                                      tuple(p.shape), p.requires_grad)
         info = ParamInfo(name, index, j, owners, sharded)
         info.register(sharded)
-        unit.infos.append(info)
+        infos.append(info)  # the unit's own list: it holds every info before any is read
         unit.locals.append(piece)
         unit.rows.append((r0, r1))
         unit.modules.append(owners[0][0])
-        group.infos.append(info)
         for module, _ in owners:
             module.register_load_state_dict_post_hook(functools.partial(_reclaim_assigned, unit, j))
     return unit
@@ -254,7 +254,7 @@ class SubclassStore:
     def unsharded_allocated(self) -> bool:
         return False
 
-    # What re-pointing after load_state_dict(assign=True) reads (fsdp/moving.py): a slot's
+    # What re-pointing after load_state_dict(assign=True) reads (fsdp/core/moving.py): a slot's
     # "sharded view" is its piece, and copying a new local copies into the piece's own tensors.
     def sharded_view(self, i: int) -> torch.Tensor:
         return self.pieces[i]
@@ -279,8 +279,10 @@ class SubclassUnit(Unit):
 
     reduces_early = False
 
-    def __init__(self, index, store: SubclassStore, dp, *, group_name, mp_policy, mesh, after_grad):
-        super().__init__(index, store, dp, embedding=False, group_name=group_name, after_grad=after_grad)
+    def __init__(self, index, store: SubclassStore, dp, infos, *, hooks, post_forward_comm, group_name, mp_policy,
+                 mesh, after_grad):
+        super().__init__(index, store, dp, infos, embedding=False, hooks=hooks, post_forward_comm=post_forward_comm,
+                         group_name=group_name, after_grad=after_grad)
         self.mp_policy = mp_policy
         self.mesh = mesh  # what fsdp_pre_all_gather gets as its mesh (FSDP2: the shard mesh)
         self.locals: list[torch.Tensor] = []  # this rank's subclass piece per slot

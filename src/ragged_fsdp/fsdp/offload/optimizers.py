@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .offload import policy_of
+from .staging import policy_of
 
 __all__ = ["require_streaming_optimizers", "check_optimizer"]
 

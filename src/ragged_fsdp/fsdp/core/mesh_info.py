@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-from .collectives import Comm
+from ..comms.collectives import Comm
 
 __all__ = [
     "CallMesh", "DPMesh", "ParamPlacement", "resolve_mesh", "mesh_device", "place_param", "shard_placement_mesh",

@@ -12,14 +12,15 @@ laid out in it, and the state of that one buffer in a step:
   reduction accumulates into the same grads;
 * ``partial`` / ``partial_touched``: HSDP with ``set_requires_all_reduce(False)``: shard-dim
   sums waiting for a reduction that all-reduces over the replicate dim;
-* ``embedding`` (its parameters are untied ``nn.Embedding`` weights only: backward may skip
-  gathering it) and ``early`` (its owner modules carry PostBackward nodes: it may be reduced
-  before the group's post-backward, see :mod:`.backward`).
+* ``embedding``: its parameters are untied ``nn.Embedding`` weights only (backward may skip
+  gathering it, see :mod:`.backward`, which keeps what backward learns about each unit).
 
-It owns what is done to that one buffer: gather (issue), register the unsharded or sharded
-parameters, free, keep a part after forward, take its gradient for a reduction and hand the
-reduced gradient out to the sharded parameters. When collectives run, and in what order
-across units and groups, is the group's and the reduction owner's (:mod:`.reduction`) call.
+Every field is written here only: the group and the reductions call the methods below. It
+owns what is done to that one buffer: gather (issue), register the unsharded or sharded
+parameters, free, keep a part after forward, take its gradient for a reduction, keep HSDP's
+partial sums and hand the reduced gradient out to the sharded parameters. When collectives
+run, and in what order across units and groups, is the group's and the reduction owner's
+(:mod:`.reduction`) call.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from . import tracing as trace
-from .collectives import Comm, all_gather
-from .device import Device, Pending
-from .extension import CommHooks
+from .. import tracing as trace
+from ..comms.collectives import Comm, all_gather
+from ..comms.device import Device, Pending
+from ..comms.quant_gather import quant_all_gather
+from ..comms.wire_reduce import WireState
+from ..compat.extension import CommHooks
 from .mesh_info import DPMesh
-from .quant_gather import quant_all_gather
 from .sharded_param import local_of, make_sharded_grad
-from .wire_reduce import WireState
 
 __all__ = ["ParamInfo", "Unit"]
 
@@ -84,39 +85,25 @@ class Unit:
 
     reduces_early = True  # may be reduced before the group's post-backward (see .backward)
 
-    def __init__(self, index: int, buf: DBuffer, dp: DPMesh, *, embedding: bool,
+    def __init__(self, index: int, buf: DBuffer, dp: DPMesh, infos: list[ParamInfo], *, embedding: bool,
+                 hooks: CommHooks, post_forward_comm: Comm | None,
                  group_name: Callable[[], str], after_grad: Callable[[torch.Tensor], None]):
         self.index = index
         self.buf = buf
         self.dp = dp
-        self.infos: list[ParamInfo] = []
+        self.infos = infos
         self.embedding = embedding
-        self.early = False
         self.freed = False
-        self.post_forward_comm: Comm | None = None
+        self.post_forward_comm = post_forward_comm  # reshard_after_forward=k: the k ranks that keep parts
         self.kept: torch.Tensor | None = None
         self.last_grad_seg: weakref.ref | None = None
         self.partial: torch.Tensor | None = None
         self.partial_touched: list[bool] | None = None
         self.group_name = group_name
         self._after_grad = after_grad
-        self.hooks = CommHooks()  # the group's custom comms and hook (shared with the group)
-        self.offload = None  # an offload.UnitOffload under fully_shard(offload_policy=...)
+        self.hooks = hooks  # the group's custom comms and hook (the group's object, shared)
+        self.offload = None  # an offload.staging.UnitOffload under fully_shard(offload_policy=...)
         self.wire: WireState | None = None  # fully_shard(gradient_reduce=...): blocks and residual
-        self.new_forward_record()
-        self.new_backward_record()
-
-    # what backward needs to know about this unit (kept and read by .backward)
-    def new_forward_record(self) -> None:
-        """Reset with the group's forward record (see backward.ForwardRecord)."""
-        self.saved = False  # the watch saw autograd save its storage
-        self.saved_outside = False  # ... while none of its owner modules ran
-        self.owner_calls = 0  # owner-module calls with a PostBackward node on their inputs
-        self.owner_blind = False  # an owner-module call whose inputs needed no grad
-
-    def new_backward_record(self) -> None:
-        self.owner_fired = 0  # owner-module PostBackward nodes that ran in this backward
-        self.reduced_early = False  # reduced before the group's post-backward
 
     def __repr__(self) -> str:
         return f"Unit({self.group_name()}#{self.index}, {len(self.infos)} tensors, {self.buf!r})"
@@ -150,6 +137,22 @@ class Unit:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p
 
+    def attach_offload(self, offload) -> None:
+        """fully_shard(offload_policy=...): the host side of this unit (offload.staging.UnitOffload)."""
+        self.offload = offload
+
+    def gathered(self) -> None:
+        """Its all-gather was waited for: the parameters are the unsharded ones, nothing kept."""
+        self.freed = False
+        self.kept = None
+        self.register_unsharded()
+
+    def not_gathered(self) -> None:
+        """Left out of the all-gathers that made its group unsharded (backward skips it): it
+        counts as freed, so the next unshard gathers it."""
+        self.freed = True
+        self.kept = None
+
     def register_unsharded(self) -> None:
         for info in self.infos:
             info.register(self.unsharded_param(info))
@@ -164,6 +167,20 @@ class Unit:
         if not buf.aliased and buf.unsharded_allocated:
             trace.record("free", self, self.unsharded_bytes())
         buf.free_unsharded()
+
+    def free_early(self) -> None:
+        """Free it while its group stays unsharded (the next unshard gathers it again); its
+        parameters are registered sharded meanwhile."""
+        if not self.freed:
+            self.free()
+            self.register_sharded()
+            self.freed = True
+
+    def free_resharded(self) -> None:
+        """The group's reshard: free the unsharded buffer and any part kept after forward."""
+        self.kept = None
+        self.freed = False
+        self.free()
 
     def keep_part(self) -> None:
         """``reshard_after_forward=k``: keep this rank's 1/k of the unsharded buffer, free the rest."""
@@ -261,6 +278,15 @@ class Unit:
             self.wire = WireState(self.buf.layout, fmt)
         return self.wire
 
+    def take_partial(self) -> tuple[torch.Tensor | None, list[bool] | None]:
+        """HSDP without the replicate all-reduce: hand over the shard-dim sums kept so far."""
+        out = self.partial, self.partial_touched
+        self.partial = self.partial_touched = None
+        return out
+
+    def keep_partial(self, partial: torch.Tensor, touched: list[bool]) -> None:
+        self.partial, self.partial_touched = partial, touched
+
     def drop_grads(self) -> None:
         """Forget the gradients of a step that raised: the unsharded gradient buffer, the
         unsharded parameters' ``.grad`` and HSDP's kept shard-dim sums."""
@@ -298,6 +324,11 @@ class Unit:
             for i, g in existing.items():
                 buf.local_view(target, i).copy_(local_of(g).reshape(buf.slots[i].local_shape))
         return target
+
+    def forget_grad_segment(self) -> None:
+        """The sharded grads moved (to the host or back): the next accumulation starts from a
+        fresh segment instead of adding into the one they left."""
+        self.last_grad_seg = None
 
     def hand_out(self, target: torch.Tensor, got_grad: list[bool], had_grad: list[bool]) -> None:
         """Point the sharded grads into the reduced segment (after the reduction finished).

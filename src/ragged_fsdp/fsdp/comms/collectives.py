@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ragged_fsdp.dbuffer import DBuffer
 
+from ..compat.extension import adopt_memory, checked_alloc, checked_work
 from .device import Device, Pending
-from .extension import adopt_memory, checked_alloc, checked_work
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 

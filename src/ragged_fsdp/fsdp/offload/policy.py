@@ -16,7 +16,7 @@ Three states, chosen one by one (torch's ``CPUOffloadPolicy`` is all three, torc
 * ``optimizer_states``: the optimizer's states live on the host and ``ragged_fsdp.optim.AdamW``
   steps on the device, streaming each buffer's states (and host gradients) in and out one
   buffer ahead. Other optimizers are refused at their first step (see
-  :mod:`.offload_hooks`).
+  :mod:`.optimizers`).
 
 This module is the pure part: the policy, its checks, and the test-only switch.
 """

@@ -1,5 +1,5 @@
 """The engine side of ``fully_shard(offload_policy=...)``: host buffers per DBuffer and the
-copies between them and the device, all through the device seam (:mod:`.device`).
+copies between them and the device, all through the device seam (:mod:`..comms.device`).
 
 One :class:`UnitOffload` per unit of a group with a policy. What it does per state:
 
@@ -27,10 +27,10 @@ import torch
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from . import tracing as trace
-from .device import Device, Pending
-from .offload_policy import OffloadPolicy
-from .sharded_param import repoint
+from .. import tracing as trace
+from ..comms.device import Device, Pending
+from ..core.sharded_param import repoint
+from .policy import OffloadPolicy
 
 __all__ = ["UnitOffload", "attach", "policy_of", "host_empty", "release_staged", "grads_to_host"]
 
@@ -98,7 +98,7 @@ def attach(group, policy: OffloadPolicy) -> None:
                 "fully_shard: offload_policy is not implemented for tensor-subclass weights "
                 "(fsdp_pre_all_gather / fsdp_post_all_gather, e.g. NF4 or float8): their gather "
                 "inputs live in the subclass's own buffers; wrap those modules without offload_policy")
-        u.offload = UnitOffload(policy, group.dev)
+        u.attach_offload(UnitOffload(policy, group.dev))
         if policy.params:
             u.offload.params_to_host(u)
     ref = weakref.ref(group)

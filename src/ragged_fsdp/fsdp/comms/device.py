@@ -18,7 +18,7 @@ follows.
 all-reduce after the shard-dim reduce-scatter); ``pre()`` (optional) is local work that
 must run right before the collective, in the lane's order.
 
-What users plug in (``fsdp/extension.py``): ``use_stream(lane, stream)`` runs a lane on the
+What users plug in (``fsdp/compat/extension.py``): ``use_stream(lane, stream)`` runs a lane on the
 user's stream (``set_all_reduce_hook(stream=...)``); ``order_after(event, lane)`` makes the
 lane's next launch follow ``event`` instead of the compute stream
 (``set_post_optim_event``), and ``allocating(lane)`` is where memory that launch writes
@@ -34,7 +34,7 @@ that event. No ``record_stream``: the tensors in ``keep`` stay referenced until 
 the caching allocator cannot hand their memory to someone else while the lane still uses it,
 and after the wait their frees are ordered on the compute stream.
 
-Host copies (offload, :mod:`.offload`): ``device.copy(lane, dst, src)`` copies between host
+Host copies (offload, :mod:`..offload.staging`): ``device.copy(lane, dst, src)`` copies between host
 and device memory on its own lane (``"h2d"``, ``"d2h"``) and returns a :class:`Pending`. CPU:
 the copy runs at once. CUDA: a non-blocking copy on the lane's stream (pinned host memory
 makes it asynchronous), after the compute stream's work so far; ``wait()`` makes the compute

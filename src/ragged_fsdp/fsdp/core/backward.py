@@ -33,15 +33,23 @@ Contract (what a group gets from this module, and what it must do in return):
   Every rank must reduce early at the same point (the owner modules must run, with inputs
   that need grad, on every rank); the end-of-backward flag all-reduce checks it.
 
-The group keeps one :class:`ForwardRecord` (reset at its first forward after a backward
-ended) and calls :meth:`BackwardNeeds.start`/``stop`` around its forward; units keep their
-own part of the record (``Unit.new_forward_record``/``new_backward_record``).
+A group holds one :class:`BackwardNeeds` and calls it at its forward (``begin_forward``,
+``stop``), at a recomputation (``recompute``) and when a backward ended (``end_backward``).
+Everything it learns lives in two records, each replaced whole: a :class:`ForwardRecord`
+(the group's forward calls and what autograd saved of each unit, replaced at the group's
+first forward after a backward ended) and a :class:`BackwardRecord` (the owner-module calls
+whose backward finished, the units reduced early; replaced at the end of every backward).
+Units are named by their index in the group. The group itself is reached through
+:class:`Group`, the part of it this module reads; the reduction goes through its
+``reduce_units``, the same sequence as its post-backward.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -51,8 +59,8 @@ from .common import TrainingState
 from .hooks import attach_post_backward, eager, in_backward
 from .unit import Unit
 
-__all__ = ["ForwardRecord", "BackwardNeeds", "PausedWatch", "SavedWatch", "pause_outer_watch", "resume_outer_watch",
-           "start_watch", "stop_watch", "watching"]
+__all__ = ["ForwardRecord", "BackwardRecord", "BackwardNeeds", "Group", "PausedWatch", "SavedWatch",
+           "pause_outer_watch", "resume_outer_watch", "start_watch", "stop_watch", "watching"]
 
 _hooks = torch._C._autograd
 
@@ -201,14 +209,51 @@ class ForwardRecord:
     stale: bool = False  # a backward ended since: the next forward starts a new count
     seen: int = 0  # tensors autograd saved during the group's forward calls (the watch)
     unknown: bool = False  # a call ran without the watch (other hooks active) or saw opaque tensors
+    # per unit (by index)
+    saved: set[int] = field(default_factory=set)  # the watch saw autograd save its storage
+    saved_outside: set[int] = field(default_factory=set)  # ... while none of its owner modules ran
+    owner_calls: dict[int, int] = field(default_factory=dict)  # owner-module calls with a PostBackward node
+    owner_blind: set[int] = field(default_factory=set)  # an owner-module call whose inputs needed no grad
+
+
+@dataclass
+class BackwardRecord:
+    """What one backward pass did to the units that may be reduced early (replaced when it ends)."""
+
+    owner_fired: dict[int, int] = field(default_factory=dict)  # owner-module PostBackward nodes that ran
+    reduced_early: set[int] = field(default_factory=set)  # reduced before the group's post-backward
+
+
+class Group(Protocol):
+    """What this module reads of its group (a :class:`~.param_group.ParamGroup`)."""
+
+    units: list[Unit]
+    modules: tuple[nn.Module, ...]
+    training_state: TrainingState
+    unshard_in_backward: bool | None
+    reduce_grads: bool
+    requires_all_reduce: bool
+    reshard_after_backward: bool
+
+    @property
+    def is_unsharded(self) -> bool: ...
+
+    def recompute_forward(self) -> None: ...
+
+    def free_units(self, units: list[Unit]) -> None: ...
+
+    def reduce_units(self, units: list[Unit], release: Callable[[], None] | None, early: bool = False) -> None: ...
 
 
 class BackwardNeeds:
-    """The per-group side of the contract in the module docstring. ``group`` is the
-    :class:`~.param_group.ParamGroup` (its lifecycle calls in here)."""
+    """The per-group side of the contract in the module docstring (the group's lifecycle
+    calls in here; it calls back through :class:`Group`)."""
 
-    def __init__(self, group):
+    def __init__(self, group: Group):
         self.g = group
+        self.fwd = ForwardRecord()
+        self.bwd = BackwardRecord()
+        self.early: frozenset[int] = frozenset()  # units that may be reduced early (hook_owner_modules)
         self.watch: SavedWatch | None = None  # the watch of the forward call running now
         self.paused: PausedWatch | None = None  # an outer group's watch, off during this forward
         self.recomputed = False  # forward ran again inside backward (activation checkpointing)
@@ -233,26 +278,52 @@ class BackwardNeeds:
                 continue
             for k, m in owners.items():
                 by_module.setdefault(k, (m, []))[1].append(u)
+        early = set()
         for m, us in by_module.values():
             m.register_forward_pre_hook(eager(functools.partial(self._owner_pre_forward, tuple(us))), with_kwargs=True)
             m.register_forward_hook(eager(functools.partial(self._owner_post_forward, tuple(us))), always_call=True)
-            for u in us:
-                u.early = True
+            early.update(u.index for u in us)
+        self.early = frozenset(early)
 
     # -- forward -------------------------------------------------------------------------
-    def start(self) -> None:
+    def begin_forward(self, args: tuple, kwargs: dict, on_backward: Callable[[], None]) -> tuple[tuple, dict]:
+        """The group's forward call starts (with grad enabled, its first module): a new
+        record after a backward ended, the watch, and ``on_backward`` as a PostBackward node
+        on the inputs."""
+        if self.fwd.stale:
+            self.fwd = ForwardRecord()
+        f = self.fwd
+        f.ran = True
+        self._start()
+        args, kwargs, attached = attach_post_backward(on_backward, args, kwargs)
+        if attached:
+            f.calls += 1
+        else:
+            f.blind = True
+        return args, kwargs
+
+    def recompute(self) -> None:
+        """Forward runs again inside backward: from now on backward gathers everything."""
+        self.recomputed = True
+        f = self.fwd
+        if torch.is_grad_enabled() and not f.ran:
+            # reentrant checkpoint: the first forward ran without grad
+            f.ran = True
+            f.blind = True
+
+    def _start(self) -> None:
         g = self.g
         if self.paused is None and self.watch is None and len(g.modules) == 1:
             # (a list group's post-forward may come after the outer forward ended)
             self.paused = pause_outer_watch(g.modules)
-        watched = [u for u in g.units if (u.embedding or u.early)]
+        watched = [u for u in g.units if (u.embedding or u.index in self.early)]
         if not watched or self.watch is not None:
             return
         gathered = [u for u in watched if not u.freed]
         storages = {u.buf.unsharded.untyped_storage().data_ptr(): u.index for u in gathered}
         self.watch = start_watch(storages, gathered)
         if self.watch is None:
-            g.fwd.unknown = True
+            self.fwd.unknown = True
 
     def stop(self, resume: bool = True) -> None:
         """End the watch of this forward call; with ``resume``, put back an outer group's
@@ -264,13 +335,11 @@ class BackwardNeeds:
             resume_outer_watch(p)
         if w is None:
             return
-        f, units = self.g.fwd, self.g.units
+        f = self.fwd
         f.seen += w.seen
         f.unknown |= w.opaque or w.paused  # still paused: it missed the rest of this forward
-        for b in w.hit:
-            units[b].saved = True
-        for b in w.outside:
-            units[b].saved_outside = True
+        f.saved |= w.hit
+        f.saved_outside |= w.outside
 
     def _embedding_pre_forward(self, module, args) -> None:
         """Each call of an embedding whose unit backward might skip: the watch must be what
@@ -283,7 +352,7 @@ class BackwardNeeds:
             return
         w = self.watch
         if w is None or not watching(w):
-            self.g.fwd.unknown = True
+            self.fwd.unknown = True
 
     def _owner_pre_forward(self, units: tuple[Unit, ...], module, args, kwargs):
         if in_backward() or not torch.is_grad_enabled():
@@ -293,16 +362,16 @@ class BackwardNeeds:
             for u in units:
                 w.inside[u.index] = w.inside.get(u.index, 0) + 1
             if not watching(w):  # someone else's saved-tensor hooks (a checkpoint) hide the saves
-                for u in units:
-                    u.saved_outside = True
+                self.fwd.saved_outside.update(u.index for u in units)
         attached = False
         if self.g.training_state is TrainingState.FORWARD:
             args, kwargs, attached = attach_post_backward(functools.partial(self._units_done, units), args, kwargs)
+        f = self.fwd
         for u in units:
             if attached:
-                u.owner_calls += 1
+                f.owner_calls[u.index] = f.owner_calls.get(u.index, 0) + 1
             else:  # outside the group's forward, or inputs that need no grad: unseen
-                u.owner_blind = True
+                f.owner_blind.add(u.index)
         return (args, kwargs) if attached else None
 
     def _owner_post_forward(self, units: tuple[Unit, ...], module, args, output) -> None:
@@ -318,35 +387,40 @@ class BackwardNeeds:
         g = self.g
         if g.unshard_in_backward is False:
             return {u.index for u in g.units}
-        f = g.fwd
+        f = self.fwd
         if g.unshard_in_backward is True or self.recomputed or not f.ran or f.unknown or f.seen == 0:
             return set()
-        return {u.index for u in g.units if u.embedding and not u.saved}
+        return {u.index for u in g.units if u.embedding and u.index not in f.saved}
+
+    def reduced_early(self, u: Unit) -> bool:
+        """``u`` was reduced in this backward before its group's post-backward."""
+        return u.index in self.bwd.reduced_early
+
+    def end_backward(self) -> None:
+        """A backward ended: a new backward record; the next forward starts a new forward record."""
+        self.bwd = BackwardRecord()
+        self.fwd.stale = True
 
     def _units_done(self, units: tuple[Unit, ...]) -> None:
         """One owner-module call of ``units`` finished its backward."""
+        f, fired = self.fwd, self.bwd.owner_fired
         for u in units:
-            u.owner_fired += 1
-            if u.owner_fired == u.owner_calls and not u.owner_blind:
+            i = u.index
+            fired[i] = fired.get(i, 0) + 1
+            if fired[i] == f.owner_calls.get(i, 0) and i not in f.owner_blind:
                 self._reduce_early(u)
 
     def _reduce_early(self, u: Unit) -> None:
-        g = self.g
-        if (not g.fwd.blind or g.training_state is not TrainingState.PRE_BACKWARD
-                or not g.reduce_grads or u.reduced_early or u.buf.grad is None
+        g, f = self.g, self.fwd
+        if (not f.blind or g.training_state is not TrainingState.PRE_BACKWARD
+                or not g.reduce_grads or u.index in self.bwd.reduced_early or u.buf.grad is None
                 or (u.dp.replicate is not None and not g.requires_all_reduce)):
             return
         with record_function("ragged_fsdp::reduce_early"):
             u.fold_foreign_grads()
-            reductions = g.ctx.reductions
-            reductions.retire(0)
-            grad, touched = u.take_grad()
-            f = g.fwd
             # free its unsharded parameters too, unless autograd may still read them: saved
             # outside the owner modules, or the watch could not see every save
-            if g.reshard_after_backward and g.is_unsharded and f.seen > 0 and not f.unknown and not u.saved_outside:
-                g.free_units([u])
-            u.reduced_early = True
-            reductions.reduce(g.dev, u, grad, touched, g.settings(), early=True)
-            if not g.dev.overlap_reductions:
-                reductions.retire(0)
+            free = (g.reshard_after_backward and g.is_unsharded and f.seen > 0 and not f.unknown
+                    and u.index not in f.saved_outside)
+            self.bwd.reduced_early.add(u.index)
+            g.reduce_units([u], functools.partial(g.free_units, [u]) if free else None, early=True)

@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from . import tracing as trace
-from .common import TrainingState
-from .init import state_of
-from .offload import host_empty, policy_of
+from .. import tracing as trace
+from ..core.common import TrainingState
+from ..core.init import state_of
+from .staging import host_empty, policy_of
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement.dtensor import wrap
 
-from .sharded_param import local_of, make_sharded_grad, repoint
+from ..core.sharded_param import local_of, make_sharded_grad, repoint
 
 __all__ = ["offload_to_host", "load_to_device"]
 
@@ -170,9 +170,9 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
     for p, k, v in states:
         _replace_state(optimizer, p, k, v, _rewrap(v, mover.moved(local_of(v))))
     for g in groups:
-        g.on_host = True if to_host else None
+        g.set_on_host(to_host)
         for u in g.units:
-            u.last_grad_seg = None
+            u.forget_grad_segment()
 
 
 def offload_to_host(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -95,7 +95,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         # skip torch's FSDPModule._apply (it reads FSDP2 state) and go to nn.Module's.
         return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
 
-    # -- FSDP2's comm hooks, per DBuffer (see fsdp/extension.py) ----------------------------
+    # -- FSDP2's comm hooks, per DBuffer (see fsdp/compat/extension.py) ----------------------------
     def _hook_groups(self):
         g = self._fsdp_state().group
         return [] if g is None else [g]
@@ -186,7 +186,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         states = st.ctx.all_states or self._fsdp_states(True)
         for s in states:
             if s.group is not None:
-                s.group.post_optim_event = event
+                s.group.set_post_optim_event(event)
 
     # -- refused, with the reason ----------------------------------------------------------
     def set_reduce_scatter_unused_params(self, *args, **kwargs) -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .collectives import Comm
+from ..comms.collectives import Comm
 from .sharded_param import is_sharded_param
 
 __all__ = [
