@@ -396,6 +396,30 @@ def test_loose_tensors_take_torchs_path():
     assert [s.item() for s in st[0][2]] == [1.0, 1.0]
 
 
+def test_chunk_left_out_follows_the_device():
+    """Left out, the chunk is cache-sized on the CPU and launch-bound (2^24) elsewhere; a step
+    over one 200,000-element run takes ceil(200000 / 65536) = 4 chunks on the CPU, 1 with
+    the accelerator chunk given explicitly, and both give the same bits."""
+    from ragged_fsdp.optim._grouped import adamw_grouped, default_chunk
+
+    assert default_chunk(torch.device("cpu")) == 1 << 16
+    assert default_chunk(torch.device("cuda", 0)) == 1 << 24
+    assert default_chunk("xpu") == 1 << 24
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(200_000, generator=g)
+    grads = [torch.randn(200_000, generator=g) for _ in range(3)]
+    out = {}
+    for chunk in (None, 1 << 24):
+        p, m, v, step = init.clone(), torch.zeros(200_000), torch.zeros(200_000), torch.tensor(0.0)
+        for gr in grads:
+            st = adamw_grouped([p], [gr], [m], [v], [], [step], amsgrad=False, beta1=0.9, beta2=0.95,
+                               lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False, chunk=chunk)
+        out[chunk] = (p, st["chunks"])
+    assert out[None][1] == 4 and out[1 << 24][1] == 1
+    assert torch.equal(out[None][0], out[1 << 24][0])
+    assert AdamW([torch.zeros(2, requires_grad=True)]).chunk_size is None
+
+
 def test_bad_chunk_size():
     with pytest.raises(ValueError, match="chunk_size=0 must be an integer >= 1"):
         AdamW([torch.zeros(2, requires_grad=True)], chunk_size=0)

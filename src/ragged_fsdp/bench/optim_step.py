@@ -70,7 +70,7 @@ def _variants(model, model8, mesh, sweep: bool):
     out["torch single, local"] = LocalSingle()
     out["ragged AdamW"] = AdamW(params, lr=lr)
     out["ragged AdamW fused"] = AdamW(params, lr=lr, fused=True)
-    for k in (12, 14, 18, 20) if sweep else ():
+    for k in (12, 14, 18, 20, 22, 24) if sweep else ():
         out[f"ragged AdamW chunk 2^{k}"] = AdamW(params, lr=lr, chunk_size=1 << k)
     out["Muon AdamW groups"] = Muon([{"params": params, "use_muon": False, "lr": lr}])
     p8 = list(model8.parameters())

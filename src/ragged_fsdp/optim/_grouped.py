@@ -26,11 +26,21 @@ from torch.optim.adamw import adamw as _torch_adamw
 from ._layout import like_param, local_of
 from ._runs import contiguous_runs, flat_view, member_of
 
-__all__ = ["DEFAULT_CHUNK", "adamw_grouped", "flat_states", "storage_order"]
+__all__ = ["DEFAULT_CHUNK", "ACCELERATOR_CHUNK", "default_chunk", "adamw_grouped", "flat_states", "storage_order"]
 
-# Elements per chunk: large enough that per-op overhead is small, small enough that a chunk of
-# every operand stays in cache (the bench sweeps it: src/ragged_fsdp/bench/optim_step.py).
+# Elements per chunk on the CPU: large enough that per-op overhead is small, small enough that a
+# chunk of every operand stays in cache (src/ragged_fsdp/bench/optim_step.py sweeps it).
 DEFAULT_CHUNK = 1 << 16
+# On an accelerator every chunk is 8 kernel launches from Python and there is no cache to stay
+# in, so the chunk only bounds the temporary: 2^24 fp32 elements is 64 MiB (torch's foreach
+# AdamW allocates a temporary the size of every parameter at once) and a rank holding 1e9
+# elements steps in 60 chunks instead of 15,259.
+ACCELERATOR_CHUNK = 1 << 24
+
+
+def default_chunk(device: torch.device) -> int:
+    """The chunk a step uses on ``device`` when the optimizer's ``chunk_size`` is left out."""
+    return DEFAULT_CHUNK if torch.device(device).type == "cpu" else ACCELERATOR_CHUNK
 
 
 def storage_order(locals_: Sequence[torch.Tensor]) -> list[int]:
@@ -86,21 +96,24 @@ def adamw_grouped(
     eps: float,
     maximize: bool,
     fused: bool = False,
-    chunk: int = DEFAULT_CHUNK,
+    chunk: int | None = None,
 ) -> dict:
     """One AdamW step on *local* (plain) tensors, as ``torch.optim.adam._single_tensor_adam``
     with decoupled weight decay, over contiguous runs in chunks. ``state_steps`` are
     incremented (torch's functional ``adamw(foreach=False)`` steps the few tensors that are not one
     flat range). With ``fused=True`` each chunk is one ``torch._fused_adamw_`` call instead
-    (torch's fused arithmetic: within 1 ulp of the single-tensor one).
+    (torch's fused arithmetic: within 1 ulp of the single-tensor one). ``chunk=None``: the
+    device's :func:`default_chunk`.
 
     Returns counts for reports: ``{"runs": ..., "loose": ..., "chunks": ...}``.
     """
-    if chunk < 1:
+    if chunk is not None and chunk < 1:
         raise ValueError(f"chunk={chunk} must be >= 1 elements")
     stats = {"runs": 0, "loose": 0, "chunks": 0}
     if not params:
         return stats
+    if chunk is None:
+        chunk = default_chunk(params[0].device)
     members, loose = [], []
     for i, p in enumerate(params):
         ts = [p, grads[i], exp_avgs[i], exp_avg_sqs[i]] + ([max_exp_avg_sqs[i]] if amsgrad else [])

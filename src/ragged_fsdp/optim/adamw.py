@@ -42,7 +42,7 @@ from ..placement.dtensor import RaggedDTensor
 from ragged_fsdp.fsdp.comms.device import device_for
 from ragged_fsdp.fsdp.offload.staging import policy_of
 
-from ._grouped import DEFAULT_CHUNK, adamw_grouped, flat_states
+from ._grouped import adamw_grouped, flat_states
 from ._layout import layout_of, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
 from ._streamed import buckets_of, step_streamed
@@ -53,8 +53,9 @@ __all__ = ["AdamW"]
 
 class AdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` with grouped, chunked steps over flat segments (see the module
-    docstring). Extra keyword: ``chunk_size`` (elements per chunk, default 65536): the bound on
-    the step's temporaries.
+    docstring). Extra keyword: ``chunk_size`` (elements per chunk): the bound on the step's
+    temporaries; left out, 65536 on the CPU (cache-sized) and 2^24 on an accelerator (each chunk
+    costs kernel launches there; 64 MiB of fp32 temporary).
 
     After each step ``last_step_stats`` counts ``grouped`` parameters (and the ``runs`` and
     ``chunks`` they formed) and ``fallback`` parameters stepped by torch's per-tensor code.
@@ -71,8 +72,8 @@ class AdamW(torch.optim.AdamW):
     def __init__(self, params, lr: float | Tensor = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
-                 fused: bool | None = None, chunk_size: int = DEFAULT_CHUNK) -> None:
-        self.chunk_size = check_int("AdamW", "chunk_size", chunk_size, 1)
+                 fused: bool | None = None, chunk_size: int | None = None) -> None:
+        self.chunk_size = None if chunk_size is None else check_int("AdamW", "chunk_size", chunk_size, 1)
         self._views: dict = {}  # param -> {state key: flat-buffer view} (grouped params only)
         self.last_step_stats: dict = {}
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
