@@ -3,7 +3,10 @@ e4m3 codes with one fp32 scale per block, and summed in fp32 on the segment's ow
 
 * The blocks (pure): they tile the buffer, every segment boundary is a block boundary, no
   block has elements of two tensors, and a block inside a tensor is whole units of its
-  granularity: checked from planned layouts with odd shapes at W = 1..5.
+  granularity merged up to ``block_size`` or, for a unit larger than ``block_size``, a
+  ``block_size`` piece of one unit: checked from planned layouts with odd shapes (rows:128
+  of a [300, 200] weight, a matrix placed whole) at W = 1..5 and block sizes 1, 32, 128 and
+  one larger than every unit.
 * The residual (pure): int8 storage keeps every element within scale / 508 of the exact
   residual, bf16 within one bf16 rounding; its size is the other ranks' segments only, and
   bad combinations are refused naming the parameter and the fix.
@@ -11,12 +14,15 @@ e4m3 codes with one fp32 scale per block, and summed in fp32 on the segment's ow
   quantises each other rank's buffer the same way, dequantises and sums the pieces with its
   own piece, exact, in rank order (``quant.grad_wire.reference_reduce``), on groups of 1, 2,
   3 and 4 ranks, every format, with error feedback over three steps in every residual
-  storage; and with zeros from the other ranks a rank's segment is its own gradient / W
+  storage, and with 32-element blocks and blocks larger than every unit on a layout with
+  large units; and with zeros from the other ranks a rank's segment is its own gradient / W
   exactly (its own piece is never quantised).
 * The engine, bitwise: one backward of an MLP with odd shapes equals the reference applied
   to each rank's own gradient (a plain replica on that rank's rows); also with
   ``no_sync`` accumulation, a divide factor, accumulation into existing grads and an
-  identity all-reduce hook, on a 1-D mesh (W=4) and an HSDP (2, 2) mesh.
+  identity all-reduce hook, on a 1-D mesh (W=4) and an HSDP (2, 2) mesh; and three steps
+  of error feedback (int8 and fp8 wires, 128- and 32-element blocks) equal the reference
+  with each rank's residual carried across the steps.
 """
 
 from __future__ import annotations
@@ -39,6 +45,17 @@ FEEDBACK = [GradientReduce(torch.int8, True), GradientReduce(torch.int8, True, t
             GradientReduce(torch.float8_e4m3fn, True, torch.float32), GradientReduce(torch.bfloat16, True)]
 SHAPES = [("w1", (37, 24), "rows:3"), ("b1", (37,), None), ("w2", (5, 37), None), ("e", (3, 7, 11), "rows:7"),
           ("w3", (64, 64), None), ("b3", (1,), None)]
+# units larger than a block: 128 rows of 200 (25,600 elements, the last unit 44 rows), a
+# matrix placed whole (3,015), rows of 300
+LARGE = [("big", (300, 200), "rows:128"), ("b", (300,), None), ("whole", (45, 67), "tensor"),
+         ("e", (3, 7, 11), "rows:7"), ("wide", (9, 300), "row"), ("w3", (64, 64), None)]
+HUGE_BLOCK = 1 << 20  # larger than every unit of SHAPES and LARGE
+BLOCKED = [GradientReduce(torch.int8), GradientReduce(torch.int8, block_size=32),
+           GradientReduce(torch.float8_e4m3fn, block_size=32), GradientReduce(torch.int8, True, block_size=32),
+           GradientReduce(torch.int8, True, torch.float32, block_size=32),
+           GradientReduce(torch.float8_e4m3fn, True, block_size=32), GradientReduce(torch.int8, block_size=HUGE_BLOCK),
+           GradientReduce(torch.int8, True, block_size=HUGE_BLOCK),
+           GradientReduce(torch.float8_e4m3fn, True, block_size=HUGE_BLOCK)]
 
 
 def _layout(world, rank, shapes=SHAPES):
@@ -51,9 +68,12 @@ def _layout(world, rank, shapes=SHAPES):
 # -- the blocks (no process group) ---------------------------------------------------------
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
-def test_blocks_tile_the_buffer_and_never_cross_a_segment(world):
-    lay = _layout(world, 0)
-    blocks = wire_blocks(lay)
+@pytest.mark.parametrize("shapes, block_size", [(SHAPES, 128), (SHAPES, 32), (LARGE, 128), (LARGE, 32),
+                                                (SHAPES, 1), (LARGE, HUGE_BLOCK)],
+                         ids=["small-128", "small-32", "large-128", "large-32", "small-1", "large-huge"])
+def test_blocks_tile_the_buffer_and_never_cross_a_segment(world, shapes, block_size):
+    lay = _layout(world, 0, shapes)
+    blocks = wire_blocks(lay, block_size)
     S = lay.segment
     ends = torch.cumsum(blocks.lengths, 0).tolist()
     starts = [0] + ends[:-1]
@@ -63,14 +83,74 @@ def test_blocks_tile_the_buffer_and_never_cross_a_segment(world):
         assert starts[first] == k * S if blocks.per_segment[k] else True
     for a, b in zip(starts, ends):
         assert a // S == (b - 1) // S, f"block [{a}, {b}) crosses a segment boundary (S={S})"
-    for s in lay.slots:  # a block is inside one tensor or inside padding, and starts on a unit
+    for s in lay.slots:  # a block is inside one tensor or inside padding
         lo, hi = s.offset, s.offset + s.numel
         k = len(s.placement.dims)
         unit = s.numel if k == 0 else s.placement.unit * (s.numel // _entries(s))
         for a, b in zip(starts, ends):
-            if a < hi and b > lo:
-                assert lo <= a and b <= hi, f"{s.key}: block [{a}, {b}) spills out of [{lo}, {hi})"
+            if not (a < hi and b > lo):
+                continue
+            assert lo <= a and b <= hi, f"{s.key}: block [{a}, {b}) spills out of [{lo}, {hi})"
+            run_end = min(hi, (a // S + 1) * S)  # where this tensor's run in the segment ends
+            if unit <= block_size:  # whole units, merged up to >= block_size (the run's last may be short)
                 assert (a - lo) % unit == 0, f"{s.key}: block starts inside a unit ({unit} elements)"
+                assert b == run_end or ((b - lo) % unit == 0 and b - a >= block_size), (s.key, a, b, unit)
+                assert b - a < block_size + unit, f"{s.key}: merged past block_size ({b - a} elements)"
+            else:  # one unit cut into block_size pieces, the last of the unit shorter
+                u0 = lo + (a - lo) // unit * unit
+                u_end = min(hi, u0 + unit)
+                assert b <= u_end, f"{s.key}: block [{a}, {b}) spans two units of {unit}"
+                assert (a - u0) % block_size == 0 and b - a == min(block_size, u_end - a), (s.key, a, b, unit)
+
+
+def test_large_units_are_cut_into_blocks():
+    """rows:128 of a [300, 200] weight (units of 25,600 elements) and a matrix placed whole
+    become blocks of at most block_size inside the tensors (the old rule made one block per
+    unit: 25,600 elements under one scale)."""
+    for world in (1, 2, 3, 4):
+        lay = _layout(world, 0, LARGE)
+        for bs in (32, 128):
+            blocks = wire_blocks(lay, bs)
+            ends = torch.cumsum(blocks.lengths, 0).tolist()
+            starts = [0] + ends[:-1]
+            for s in lay.slots:
+                if s.key not in ("big", "whole", "wide"):
+                    continue
+                inside = [b - a for a, b in zip(starts, ends) if s.offset <= a < s.offset + s.numel]
+                assert max(inside) == bs and sum(inside) == s.numel, (world, bs, s.key)
+                # a unit of 128 rows of 200 (25,600) is 800 x 32 or 200 x 128; the last unit,
+                # 44 rows (8,800), 275 x 32 or 68 x 128 + 96
+                if s.key == "big":
+                    assert sorted(set(inside)) == ([32] if bs == 32 else [96, 128]), (world, bs, sorted(set(inside)))
+        # larger than every unit: each run of whole units is one block (old behaviour for merged units)
+        blocks = wire_blocks(lay, HUGE_BLOCK)
+        assert int(blocks.lengths.max()) <= lay.segment
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.0, "32", None])
+def test_block_size_is_validated(bad):
+    with pytest.raises(ValueError, match=r"block_size=.*pass an int >= 1"):
+        GradientReduce(torch.int8, block_size=bad)
+    with pytest.raises(ValueError, match=r"wire_blocks: block_size=.*pass an int >= 1"):
+        wire_blocks(_layout(2, 0), bad)
+
+
+def test_block_size_bytes():
+    """Scale overhead 4 bytes per block: 32-element blocks send about 1 + 4/32 bytes per
+    element on a layout of one-element units, and the residual's int8 storage the same."""
+    from ragged_fsdp.quant.grad_wire import wire_bytes
+    from ragged_fsdp.quant.wire_residual import residual_bytes_per_element
+
+    world = 4
+    lay = plan_layout([("w1", (512, 128), None), ("w2", (256, 96), None)], world, 0, itemsize=4)
+    for bs in (32, 64, 128):
+        fmt = GradientReduce(torch.int8, True, block_size=bs)
+        sent, _ = wire_bytes(wire_blocks(lay, bs), fmt, 0)
+        assert sent / ((world - 1) * lay.segment) == pytest.approx(1 + 4 / bs, rel=2e-3), bs
+        assert residual_bytes_per_element(fmt) == 1 + 4 / bs
+        res = Residual(wire_blocks(lay, bs), 0, fmt)
+        assert res.nbytes / ((world - 1) * lay.segment) == pytest.approx(1 + 4 / bs, rel=2e-3), bs
+    assert sent / ((world - 1) * lay.segment * 4) <= 0.3 if bs == 32 else True
 
 
 def _entries(slot):
@@ -90,6 +170,9 @@ def _entries(slot):
     (["--plot", "a.json"], "--plot needs --png"),
     (["--seeds", "3"], "needs two or more distinct seeds"),
     (["--seeds", "a-b"], "pass a range A-B or a list"),
+    (["--modes", "fp32,bf16-b32"], "--modes: unknown bf16-b32"),
+    (["--modes", "fp32,int8-ef-b0"], "--modes: unknown int8-ef-b0"),
+    (["--modes", "fp32,fsdp2-b32"], "--modes: unknown fsdp2-b32"),
 ])
 def test_bench_refuses_bad_options(argv, message, capsys):
     from ragged_fsdp.bench import grad_wire as bench
@@ -97,6 +180,33 @@ def test_bench_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_bench_block_modes():
+    """``-b<N>`` on a scaled wire mode sets the block size; the mode without it keeps its
+    name and the default block size (its rows unchanged)."""
+    from ragged_fsdp.bench import grad_wire as bench
+
+    assert bench.mode_of("int8-ef") == bench.MODES["int8-ef"]
+    name, spec = bench.mode_of("int8-ef-b32")
+    assert name == "int8 + scale, error feedback, 32-element blocks"
+    assert bench._fmt(spec) == GradientReduce(torch.int8, True, block_size=32)
+    assert bench._fmt(bench.MODES["int8-ef"][1]) == GradientReduce(torch.int8, True, block_size=128)
+    assert bench._fmt(bench.mode_of("fp8-b64")[1]).block_size == 64
+
+
+def test_grad_blocks_diagnostic():
+    """bench.grad_blocks: the histogram covers the buffers, smaller blocks round fewer of the
+    MoE gradient's elements to code 0, and a rows:128 Llama block's largest block is the
+    block size."""
+    from ragged_fsdp.bench import grad_blocks
+
+    row = grad_blocks.measure_model("moe", 4, [32, 128])
+    by = row["by_block"]
+    assert sum(int(k) * v for k, v in by["32"]["lengths"].items()) == sum(
+        int(k) * v for k, v in by["128"]["lengths"].items())
+    assert 0 < by["32"]["code0_fraction"] < by["128"]["code0_fraction"] < 0.5
+    assert grad_blocks.llama_block_max(8, [32, 128])["max_block"] == {"32": 32, "128": 128}
 
 
 def test_refuses_other_dtypes():
@@ -170,10 +280,41 @@ def _rank_grad(k, n, step=0):
     return x
 
 
-def case_collective_matches_reference(rank, world):
-    from ragged_fsdp.comm import Comm
+def _collective_vs_reference(comm, lay, fmt, ranks, size, failed):
     from ragged_fsdp.fsdp.comms.device import Device
     from ragged_fsdp.fsdp.comms.wire_reduce import WireState, wire_reduce_scatter
+
+    blocks = wire_blocks(lay, fmt.block_size)
+    state = WireState(lay, fmt)
+    residuals = [Residual(blocks, k, fmt) for k in ranks] if fmt.error_feedback else None
+    for step in range(3 if fmt.error_feedback else 1):
+        grads = [_rank_grad(k, lay.total, step) for k in ranks]
+        got = torch.empty(lay.segment)
+        wire_reduce_scatter(Device(torch.device("cpu")), comm, grads[comm.rank].clone(), got, False, None,
+                            state).wait()
+        want = reference_reduce(grads, lay, fmt, comm.rank, residuals=residuals)
+        if not torch.equal(got, want):
+            failed.append(f"W={size} {fmt} step {step}: {(got != want).sum().item()} of {got.numel()} "
+                          "elements differ from the reference")
+        mine = [g.narrow(0, comm.rank * lay.segment, lay.segment) for g in grads]
+        exact = sum(mine[1:], mine[0].clone()) / size
+        bound = sum(m.abs() for m in mine) / size * 2.0 ** -8  # one bf16 rounding per piece
+        if fmt.wire_dtype is torch.bfloat16 and not fmt.error_feedback and not ((got - exact).abs() <= bound).all():
+            failed.append(f"W={size}: the bf16-wire mean is further than the pieces' rounding from fp32's")
+    # the own piece is never quantised: every rank sends zeros but keeps its own
+    # segment, and each gets that segment / W back bit for bit
+    S = lay.segment
+    g = torch.zeros(lay.total)
+    g[comm.rank * S:(comm.rank + 1) * S] = _rank_grad(comm.rank, lay.total)[:S]
+    got = torch.empty(S)
+    wire_reduce_scatter(Device(torch.device("cpu")), comm, g, got, False, None, WireState(lay, fmt)).wait()
+    want = g[comm.rank * S:(comm.rank + 1) * S] * (1.0 / size)
+    if not torch.equal(got, want):
+        failed.append(f"W={size} {fmt}: the own segment is not exact ({(got != want).sum().item()} differ)")
+
+
+def case_collective_matches_reference(rank, world):
+    from ragged_fsdp.comm import Comm
 
     failed = []
     for size in (1, 2, 3, 4):
@@ -182,35 +323,10 @@ def case_collective_matches_reference(rank, world):
         if rank not in ranks:
             continue
         comm = Comm.of(group)
-        lay = _layout(size, comm.rank)
-        blocks = wire_blocks(lay)
-        for fmt in FORMATS + FEEDBACK:
-            state = WireState(lay, fmt)
-            residuals = [Residual(blocks, k, fmt) for k in ranks] if fmt.error_feedback else None
-            for step in range(3 if fmt.error_feedback else 1):
-                grads = [_rank_grad(k, lay.total, step) for k in ranks]
-                got = torch.empty(lay.segment)
-                wire_reduce_scatter(Device(torch.device("cpu")), comm, grads[comm.rank].clone(), got, False, None,
-                                    state).wait()
-                want = reference_reduce(grads, lay, fmt, comm.rank, residuals=residuals)
-                if not torch.equal(got, want):
-                    failed.append(f"W={size} {fmt} step {step}: {(got != want).sum().item()} of {got.numel()} "
-                                  "elements differ from the reference")
-                mine = [g.narrow(0, comm.rank * lay.segment, lay.segment) for g in grads]
-                exact = sum(mine[1:], mine[0].clone()) / size
-                bound = sum(m.abs() for m in mine) / size * 2.0 ** -8  # one bf16 rounding per piece
-                if fmt.wire_dtype is torch.bfloat16 and not fmt.error_feedback and not ((got - exact).abs() <= bound).all():
-                    failed.append(f"W={size}: the bf16-wire mean is further than the pieces' rounding from fp32's")
-            # the own piece is never quantised: every rank sends zeros but keeps its own
-            # segment, and each gets that segment / W back bit for bit
-            S = lay.segment
-            g = torch.zeros(lay.total)
-            g[comm.rank * S:(comm.rank + 1) * S] = _rank_grad(comm.rank, lay.total)[:S]
-            got = torch.empty(S)
-            wire_reduce_scatter(Device(torch.device("cpu")), comm, g, got, False, None, WireState(lay, fmt)).wait()
-            want = g[comm.rank * S:(comm.rank + 1) * S] * (1.0 / size)
-            if not torch.equal(got, want):
-                failed.append(f"W={size} {fmt}: the own segment is not exact ({(got != want).sum().item()} differ)")
+        for shapes, fmts in ((SHAPES, FORMATS + FEEDBACK), (LARGE, BLOCKED)):
+            lay = _layout(size, comm.rank, shapes)
+            for fmt in fmts:
+                _collective_vs_reference(comm, lay, fmt, ranks, size, failed)
     # every rank takes part in every new_group before raising (a rank that raised early
     # would leave the others in the next group's creation)
     assert not failed, "\n".join(failed)
@@ -314,13 +430,47 @@ def _engine_case(rank, world, hsdp, fmt, *, no_sync=False, divide=None, hook=Fal
 
 
 def case_engine_fsdp(rank, world):
-    for fmt in FORMATS:
+    for fmt in FORMATS + [GradientReduce(torch.int8, block_size=32), GradientReduce(torch.int8, block_size=HUGE_BLOCK)]:
         _engine_case(rank, world, False, fmt)
     fmt = GradientReduce(torch.int8)
     _engine_case(rank, world, False, fmt, no_sync=True)
     _engine_case(rank, world, False, fmt, divide=2.0)
     _engine_case(rank, world, False, fmt, hook=True)
     _engine_case(rank, world, False, fmt, accumulate=True)
+
+
+def case_engine_feedback_three_steps(rank, world):
+    """Three steps of fully_shard with error feedback: each step's reduced gradient equals
+    the reference with every rank's residual carried from the step before, bit for bit
+    (int8 and fp8 wires; default, 32-element and larger-than-any-unit blocks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for fmt in (GradientReduce(torch.int8, True), GradientReduce(torch.float8_e4m3fn, True),
+                GradientReduce(torch.int8, True, block_size=32),
+                GradientReduce(torch.float8_e4m3fn, True, block_size=32),
+                GradientReduce(torch.int8, True, torch.float32, block_size=HUGE_BLOCK)):
+        torch.manual_seed(0)
+        state = {k: v.clone() for k, v in MLP().state_dict().items()}
+        m = MLP()
+        m.load_state_dict(state)
+        fully_shard(m, mesh=mesh, gradient_reduce=fmt)
+        lay = m.dbuffers[0].layout
+        residuals = [Residual(wire_blocks(lay, fmt.block_size), k, fmt) for k in range(world)]
+        named = dict(m.named_parameters())
+        for step in range(3):
+            x, y = _rows(rank, step)
+            nn.functional.mse_loss(m(x), y).backward()
+            bufs = [_buffer_of(lay, _local_grads(state, k, (step,))) for k in range(world)]
+            want = reference_reduce(bufs, lay, fmt, mesh.get_local_rank(), residuals=residuals)
+            for s in lay.slots:
+                got = named[s.key].grad._local_tensor.reshape(-1)
+                w = want[s.local_offset:s.local_offset + s.local_numel]
+                assert torch.equal(got, w), (f"{fmt} step {step} {s.key}: {(got != w).sum().item()} of "
+                                             f"{w.numel()} differ")
+            m.zero_grad()
 
 
 def case_engine_hsdp(rank, world):
@@ -371,7 +521,7 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
             want = 0
             for m in plain["_model"].modules():
                 for buf in getattr(m, "dbuffers", []) if hasattr(m, "_fsdp_state") else []:
-                    blocks = wire_blocks(buf.layout)
+                    blocks = wire_blocks(buf.layout, 128)
                     n_other = int(blocks.lengths.numel()) - blocks.per_segment[buf.layout.rank]
                     want += (world - 1) * buf.layout.segment + 4 * n_other
             assert bench._residual_bytes(plain["_model"]) == want > 0
@@ -384,8 +534,8 @@ def case_bench_error_probe_leaves_training_bitwise(rank, world):
     assert reduction.wire_reduce_scatter is wire_reduce_scatter
 
 
-CASES = [case_collective_matches_reference, case_engine_fsdp, case_engine_hsdp, case_refuses_bf16_reduce_dtype,
-         case_bench_error_probe_leaves_training_bitwise]
+CASES = [case_collective_matches_reference, case_engine_fsdp, case_engine_feedback_three_steps, case_engine_hsdp,
+         case_refuses_bf16_reduce_dtype, case_bench_error_probe_leaves_training_bitwise]
 
 
 @pytest.fixture(scope="module")

@@ -346,16 +346,39 @@ def test_grad_wire_bytes_match_the_engines_block_format():
 
     from ragged_fsdp import GradientReduce
     from ragged_fsdp.dbuffer.planning import plan_layout
-    from ragged_fsdp.quant.grad_wire import MIN_BLOCK, wire_blocks, wire_bytes
-    from ragged_fsdp.sim.options import WIRE_BLOCK, WIRE_BYTES
+    from ragged_fsdp.quant.grad_wire import DEFAULT_BLOCK, wire_blocks, wire_bytes
+    from ragged_fsdp.sim.options import WIRE_BLOCK, WIRE_BYTES, wire_bytes_per_element
 
-    assert WIRE_BLOCK == MIN_BLOCK
+    assert WIRE_BLOCK == DEFAULT_BLOCK == GradientReduce().block_size
     world = 4
     lay = plan_layout([("w1", (512, 128), None), ("w2", (256, 128), None)], world, 0, itemsize=4)
     blocks = wire_blocks(lay)
     for name, dtype in (("bf16", torch.bfloat16), ("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
         sent, _ = wire_bytes(blocks, GradientReduce(dtype), 0)
         assert sent / ((world - 1) * lay.segment) == pytest.approx(WIRE_BYTES[name]), name
+        assert WIRE_BYTES[name] == wire_bytes_per_element(name)
+    # other block sizes, on a layout of 128-row units (cut into blocks by the engine), 2 per rank
+    lay = plan_layout([("w1", (512, 128), "rows:128"), ("w2", (512, 128), "rows:128")], world, 0, itemsize=4)
+    for block in (32, 64, 256):
+        for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            sent, _ = wire_bytes(wire_blocks(lay, block), GradientReduce(dtype, block_size=block), 0)
+            per_element = sent / ((world - 1) * lay.segment)
+            assert per_element == pytest.approx(wire_bytes_per_element(name, block)), (name, block)
+
+
+def test_grad_wire_block_option():
+    """--grad-wire-block N: 1 + 4/N bytes per element on the wire and in int8 residual
+    storage; refused without an int8 / fp8 wire or below 1."""
+    base = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8", grad_wire_ef=True)
+    small = _run("llama3-70b", 64, fw=("ragged",), grad_wire="int8", grad_wire_ef=True, grad_wire_block=32)
+    ratio = (1 + 4 / 32) / (1 + 4 / 128)
+    assert small.grad_reduce["sent_bytes"] / base.grad_reduce["sent_bytes"] == pytest.approx(ratio)
+    assert small.grad_reduce["feedback_bytes"] / base.grad_reduce["feedback_bytes"] == pytest.approx(ratio)
+    assert "32-element blocks" in small.grad_reduce["format"]
+    with pytest.raises(ValueError, match="--grad-wire-block .*add --grad-wire int8"):
+        _run(grad_wire="bf16", grad_wire_block=32)
+    with pytest.raises(ValueError, match="--grad-wire-block 0 must be an int >= 1"):
+        _run(grad_wire="int8", grad_wire_block=0)
 
 
 def test_grad_wire_bad_input_names_the_option(capsys):

@@ -26,7 +26,7 @@ import torch
 
 from ragged_fsdp import GradientReduce
 from ragged_fsdp.dbuffer.planning import plan_layout
-from ragged_fsdp.quant.grad_wire import reference_reduce, wire_blocks
+from ragged_fsdp.quant.grad_wire import DEFAULT_BLOCK, reference_reduce, wire_blocks
 from ragged_fsdp.quant.wire_residual import Residual
 
 from .meta import run_meta
@@ -52,13 +52,14 @@ def _stream(n: int, world: int, steps: int, seed: int):
         yield [(m + torch.randn(n, generator=g)) * mag for _ in range(world)]
 
 
-def measure(world: int, steps: int, seed: int = 0) -> list[dict]:
+def measure(world: int, steps: int, seed: int = 0, block_size: int = DEFAULT_BLOCK) -> list[dict]:
     lay = plan_layout(SHAPES, world, 0, itemsize=4)  # the blocks are every rank's
-    blocks = wire_blocks(lay)
+    blocks = wire_blocks(lay, block_size)
     S = lay.segment
     rows = []
     for wire, store in CASES:
-        fmt = GradientReduce(_WIRE[wire], error_feedback=store is not None, residual_dtype=store)
+        fmt = GradientReduce(_WIRE[wire], error_feedback=store is not None, residual_dtype=store,
+                             block_size=block_size)
         res = [Residual(blocks, k, fmt) for k in range(world)] if fmt.error_feedback else None
         acc = acc_ref = None
         errs = []
@@ -81,12 +82,14 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=DEFAULT_BLOCK,
+                    help=f"elements per scale block (GradientReduce.block_size; default {DEFAULT_BLOCK})")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    if args.world < 1 or args.steps < 1:
-        ap.error("--world and --steps must be >= 1")
+    if args.world < 1 or args.steps < 1 or args.block_size < 1:
+        ap.error("--world, --steps and --block-size must be >= 1")
     torch.set_num_threads(1)
-    rows = measure(args.world, args.steps, args.seed)
+    rows = measure(args.world, args.steps, args.seed, args.block_size)
     base = {r["wire"]: r for r in rows if r["residual"] == "float32"}
     for r in rows:
         b = base[r["wire"]]
@@ -101,7 +104,7 @@ def main(argv=None) -> None:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"meta": run_meta(), "world": args.world, "steps": args.steps, "seed": args.seed,
-                       "rows": rows}, f, indent=1)
+                       "block_size": args.block_size, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

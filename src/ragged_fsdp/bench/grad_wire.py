@@ -27,6 +27,9 @@ Models (``--model``):
 docs say when they did). With error feedback a row also has the residual's bytes on a rank,
 read from the engine's storage.
 
+A scaled wire mode with the suffix ``-b<N>`` (``int8-ef-b32``) runs with
+``GradientReduce(block_size=N)``; without it, the default block size (128).
+
 ``--seeds A-B`` runs every mode once per seed (weights and batches) in one launch and writes
 the runs and, per mode, the mean and standard error over the seeds of its final loss (and
 its last-50-step mean) against fp32 reduction of the same seed: one run's final loss is
@@ -48,7 +51,9 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor. is deprecated")
 
 # key -> (table name, wire spec): None = fp32 reduce-scatter, "fsdp2" = torch FSDP2 bf16; a
-# wire spec is (wire, error feedback, residual storage: None = GradientReduce's default)
+# wire spec is (wire, error feedback, residual storage: None = GradientReduce's default) and,
+# for a key with the suffix -b<N> (any wire mode: int8-ef-b32), N elements per scale block
+# (the block size of GradientReduce's default otherwise)
 MODES = {
     "fp32": ("fp32 reduce", None),
     "bf16": ("bf16 wire, fp32 sum", ("bf16", False, None)),
@@ -66,6 +71,20 @@ MODES = {
     "fp8-ef-fp32r": ("fp8 e4m3 + scale, error feedback, fp32 residual", ("fp8", True, "fp32")),
 }
 DEFAULT_MODES = ("fp32", "bf16", "int8", "int8-ef", "fp8", "fp8-ef", "fsdp2")
+BLOCK_SUFFIX_EXAMPLES = ("int8-ef-b32", "int8-ef-b64")
+
+
+def mode_of(key: str):
+    """``(table name, wire spec)`` of a mode key, ``-b<N>`` suffixes included; None if unknown."""
+    if key in MODES:
+        return MODES[key]
+    base, sep, n = key.rpartition("-b")
+    if not sep or not n.isdigit() or str(int(n)) != n or int(n) < 1 or base not in MODES:
+        return None
+    name, spec = MODES[base]
+    if not isinstance(spec, tuple) or spec[0] == "bf16":  # only the scaled wires have blocks
+        return None
+    return f"{name}, {int(n)}-element blocks", (*spec, int(n))
 _WIRE = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp32": torch.float32}
 MODELS = ("small", "demo", "moe")
 
@@ -73,8 +92,9 @@ MODELS = ("small", "demo", "moe")
 def _fmt(mode):
     from ragged_fsdp import GradientReduce
 
-    wire, ef, res = mode
-    return GradientReduce(_WIRE[wire], error_feedback=ef, residual_dtype=None if res is None else _WIRE[res])
+    wire, ef, res, *block = mode
+    kw = {"block_size": block[0]} if block else {}
+    return GradientReduce(_WIRE[wire], error_feedback=ef, residual_dtype=None if res is None else _WIRE[res], **kw)
 
 
 def _model(args):
@@ -130,7 +150,8 @@ def _bytes_sent(model, mode, world: int) -> int:
             if mode is None:
                 total += (world - 1) * buf.segment * 4
             else:
-                total += wire_bytes(wire_blocks(buf.layout), _fmt(mode), dist.get_rank())[0]
+                fmt = _fmt(mode)
+                total += wire_bytes(wire_blocks(buf.layout, fmt.block_size), fmt, dist.get_rank())[0]
     return total
 
 
@@ -288,7 +309,7 @@ def run(args) -> dict:
     rows, ref_grads = {}, None
     keys = ["fp32"] + [k for k in args.modes if k != "fp32"]  # fp32 first: the reference
     for key in keys:
-        name, mode = MODES[key]
+        name, mode = mode_of(key)
         row, ref_grads = _train(args, name, mode, mesh, batches, ref_grads)
         model = row.pop("_model")
         # FSDP2's modules are not ours: its bf16 reduce-scatter moves the same elements in 2
@@ -361,6 +382,13 @@ def run_seeds(args, seeds: list[int], path: str | None) -> dict:
     return res
 
 
+def _color(key: str) -> int:
+    if key in MODES:
+        return list(MODES).index(key)
+    base, _, n = key.rpartition("-b")
+    return (list(MODES).index(base) + len(MODES) + int(n).bit_length()) % 20
+
+
 def render_png(results: list[dict], path: str, smooth: int = 10) -> None:
     """One column per result (world size): the loss curves (moving mean over ``smooth``
     steps), their difference from fp32 reduction, and, where measured (``--grad-error``),
@@ -388,7 +416,7 @@ def render_png(results: list[dict], path: str, smooth: int = 10) -> None:
         for name, r in res["rows"].items():
             curve = ma(r["losses"])
             kw = dict(ls="--" if "FSDP2" in name else "-", label=name, lw=1.1,
-                      color=f"C{list(MODES).index(r.get('mode', 'fp32'))}")
+                      color=f"C{_color(r.get('mode', 'fp32'))}")
             axes[0][j].plot(curve, **kw)
             axes[1][j].plot([100 * (c / b - 1) for c, b in zip(curve, base)], **kw)
             if probed and "accumulated_err" in r:
@@ -416,7 +444,9 @@ def _parser():
                     help="CPU ranks to start through torchrun (leave out under torchrun)")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                    help=f"comma-separated, from {', '.join(MODES)} (fp32 always runs: it is the reference)")
+                    help=f"comma-separated, from {', '.join(MODES)}; a scaled wire mode with -b<N> uses N-element "
+                         f"scale blocks (e.g. {', '.join(BLOCK_SUFFIX_EXAMPLES)}); fp32 always runs: it is the "
+                         "reference")
     ap.add_argument("--batch", type=int, default=12, help="global batch in sequences (demo, moe; default 12)")
     ap.add_argument("--seq-len", type=int, default=128, help="sequence length (demo, moe; default 128)")
     ap.add_argument("--dim", type=int, default=None, help="shrink the model: its width")
@@ -458,9 +488,10 @@ def check_args(ap, args) -> None:
     if args.steps < 1:
         ap.error(f"--steps {args.steps}: must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if mode_of(m) is None]
     if bad:
-        ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}")
+        ap.error(f"--modes: unknown {', '.join(bad)}; choose from {', '.join(MODES)}, or a scaled wire mode with "
+                 f"-b<N> for N-element scale blocks ({', '.join(BLOCK_SUFFIX_EXAMPLES)})")
     args.modes = modes
     if args.seed < 0:
         ap.error(f"--seed {args.seed}: must be >= 0")

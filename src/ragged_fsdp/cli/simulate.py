@@ -83,6 +83,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--grad-wire-residual", default=None, choices=("fp32", "bf16", "int8"),
                    help="with --grad-wire-ef: the residual's storage (default: int8 for the int8 wire, 1 byte + "
                         "4/128 per element; bf16 for the others)")
+    p.add_argument("--grad-wire-block", type=int, default=None, metavar="N",
+                   help="with --grad-wire int8|fp8: elements per fp32 scale block, 1 + 4/N bytes per element "
+                        "(default 128, GradientReduce.block_size's default)")
     p.add_argument("--pp-schedule", default="1f1b", choices=PP_SCHEDULES, help="pipeline schedule (with pp > 1)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="pipeline microbatches per step (default: --micro-batch, one sequence each)")
@@ -158,7 +161,8 @@ def run(args) -> int:
         recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather,
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
-                        grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual)
+                        grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual,
+                        grad_wire_block=args.grad_wire_block)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}

@@ -2,11 +2,13 @@
 
 A DBuffer's unsharded gradient (``W*S`` elements in the reduce dtype) is cut into blocks:
 each tensor's granularity units (the planner's blocks, whole inside one rank's segment by
-construction), merged into runs of at least :data:`MIN_BLOCK` elements when the units are
-small (a bias or a norm weight has one-element units), and the padding between tensors as
-blocks of its own. The blocks tile ``[0, W*S)`` in order, and every segment boundary is a
-block boundary, so the blocks of segment ``k`` are a contiguous run of the list: they travel
-to rank ``k`` with their codes and scales together, and no block has two owners.
+construction), merged into runs of at least ``block_size`` elements when the units are
+small (a bias or a norm weight has one-element units), cut into consecutive blocks of
+``block_size`` elements (the last of a unit shorter) when a unit is larger (a row group of
+``rows:128``, a matrix placed whole), and the padding between tensors as blocks of its own.
+The blocks tile ``[0, W*S)`` in order, and every segment boundary is a block boundary, so
+the blocks of segment ``k`` are a contiguous run of the list: they travel to rank ``k`` with
+their codes and scales together, and no block has two owners.
 
 Formats (:class:`GradientReduce`'s ``wire_dtype``):
 
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GradientReduce", "WireBlocks", "wire_blocks", "quantize", "dequantize", "sum_pieces",
-           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "RESIDUAL_DTYPES", "MIN_BLOCK"]
+           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "RESIDUAL_DTYPES", "DEFAULT_BLOCK"]
 
 WIRE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -36,7 +38,18 @@ RESIDUAL_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 # error feedback's residual storage when residual_dtype is left out: the cheapest that keeps
 # the accumulated error at fp32 storage's (docs/gradient-reduce.md, "Residual storage")
 _DEFAULT_RESIDUAL = {torch.int8: torch.int8, torch.bfloat16: torch.bfloat16, torch.float8_e4m3fn: torch.bfloat16}
-MIN_BLOCK = 128  # small units are merged until a block has this many elements (scale overhead <= 1/32)
+# GradientReduce.block_size's default: small units are merged until a block has this many
+# elements, larger units cut into blocks of this many (scale overhead 4 bytes per block)
+DEFAULT_BLOCK = 128
+
+
+def check_block_size(where: str, block_size) -> int:
+    """``block_size`` as an int >= 1, or a ValueError naming it and the fix (``True`` is an
+    int to Python, and a mistake here)."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"{where}: block_size={block_size!r}; pass an int >= 1, the elements per scale block "
+                         f"(default {DEFAULT_BLOCK})")
+    return block_size
 
 
 @dataclass(frozen=True)
@@ -48,16 +61,20 @@ class GradientReduce:
     ``residual_dtype``: that residual's storage (:mod:`.wire_residual`): ``torch.float32``,
     ``torch.bfloat16`` or, for the int8 wire, ``torch.int8`` (codes against each block's wire
     scale); left out, int8 for the int8 wire and bf16 for the others. It holds ``(W - 1) / W``
-    of the unsharded gradient per DBuffer per rank."""
+    of the unsharded gradient per DBuffer per rank. ``block_size``: the elements per scale
+    block of the int8 and fp8 wires (:func:`wire_blocks`): one fp32 scale, 4 bytes, per
+    block; smaller blocks follow the gradient's magnitudes more closely at more bytes."""
 
     wire_dtype: torch.dtype = torch.bfloat16
     error_feedback: bool = False
     residual_dtype: torch.dtype | None = None
+    block_size: int = DEFAULT_BLOCK
 
     def __post_init__(self):
         if self.wire_dtype not in WIRE_DTYPES:
             names = ", ".join(str(d) for d in WIRE_DTYPES)
             raise ValueError(f"GradientReduce: wire_dtype={self.wire_dtype!r}; choose one of {names}")
+        check_block_size("GradientReduce", self.block_size)
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"GradientReduce: error_feedback must be a bool, got {self.error_feedback!r}")
         res = self.residual_dtype
@@ -117,42 +134,63 @@ def _unit_elements(slot) -> int:
     return max(1, pl.unit * inner)
 
 
-def wire_blocks(layout) -> WireBlocks:
-    """The blocks of a ``BufferLayout`` (any rank's: the plan is the same on every rank)."""
+def _unit_cut(g: int, block_size: int) -> list[int]:
+    """The blocks one unit of ``g`` elements is cut into (a unit of at most ``block_size``
+    elements is one piece)."""
+    full, rest = divmod(g, block_size)
+    return [block_size] * full + ([rest] if rest else [])
+
+
+def wire_blocks(layout, block_size: int = DEFAULT_BLOCK) -> WireBlocks:
+    """The blocks of a ``BufferLayout`` (any rank's: the plan is the same on every rank).
+
+    Inside each tensor's run in one segment: units of fewer than ``block_size`` elements
+    merged, whole, into blocks of at least ``block_size`` (the run's last block may be
+    shorter); a unit of more cut into consecutive blocks of ``block_size`` (its last one
+    shorter). Padding: one block per stretch inside one segment. No block crosses a segment
+    boundary (the planner never lets one cut a unit)."""
+    check_block_size("wire_blocks", block_size)
     W, S = layout.world_size, layout.segment
-    lengths: list[int] = []
+    pieces: list[torch.Tensor] = []
     per = [0] * W
 
-    def add(start: int, n: int) -> None:
-        # a run inside one segment, as one block (callers never cross a boundary)
-        lengths.append(n)
-        per[start // S] += 1
+    def emit(seg: int, lengths: list[int] | torch.Tensor) -> None:
+        t = lengths if isinstance(lengths, torch.Tensor) else torch.tensor(lengths, dtype=torch.int64)
+        pieces.append(t)
+        per[seg] += int(t.numel())
 
     def gap(a: int, b: int) -> None:
         while a < b:  # padding, cut at segment boundaries
             e = min(b, (a // S + 1) * S)
-            add(a, e - a)
+            emit(a // S, [e - a])
             a = e
 
     pos = 0
     for slot in sorted(layout.slots, key=lambda s: s.offset):
         gap(pos, slot.offset)
         g, n = _unit_elements(slot), slot.numel
-        merge = max(1, -(-MIN_BLOCK // g))  # units per block
         a, end = slot.offset, slot.offset + n
         while a < end:
             seg_end = min(end, (a // S + 1) * S)  # units never straddle this (the planner's rule)
-            run = seg_end - a
-            step = g * merge
-            full = run // step
-            lengths.extend([step] * full)
-            per[a // S] += full
-            if run - full * step:
-                add(a, run - full * step)
+            run, seg = seg_end - a, a // S
+            if g > block_size:  # each unit cut; a tensor's last unit may be shorter than g
+                units, tail = divmod(run, g)
+                if units:
+                    emit(seg, torch.tensor(_unit_cut(g, block_size), dtype=torch.int64).repeat(units))
+                if tail:
+                    emit(seg, _unit_cut(tail, block_size))
+            else:  # whole units merged until a block has >= block_size elements
+                step = g * -(-block_size // g)
+                full, rest = divmod(run, step)
+                if full:
+                    emit(seg, torch.full((full,), step, dtype=torch.int64))
+                if rest:
+                    emit(seg, [rest])
             a = seg_end
         pos = end
     gap(pos, W * S)
-    return WireBlocks(W, S, torch.tensor(lengths, dtype=torch.int64), tuple(per))
+    lengths = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return WireBlocks(W, S, lengths, tuple(per))
 
 
 def _safe(scale: torch.Tensor) -> torch.Tensor:
@@ -208,7 +246,7 @@ def reference_reduce(grads: list[torch.Tensor], layout, fmt: GradientReduce, ran
     rank's piece quantised and dequantised, ``rank``'s own piece exact. ``rank=None``: every
     rank's segment, as a list (one quantisation per rank, as in the engine). ``residuals``:
     each rank's :class:`~ragged_fsdp.quant.wire_residual.Residual`, updated in place once."""
-    blocks = wire_blocks(layout)
+    blocks = wire_blocks(layout, fmt.block_size)
     W, S = blocks.world_size, blocks.segment
     sent = []
     for k, g in enumerate(grads):

@@ -12,7 +12,7 @@ Storage (``GradientReduce.residual_dtype``), bytes per residual element:
 
 * ``torch.float32``: 4, exact;
 * ``torch.bfloat16``: 2; one bf16 rounding of the residual (relative 2**-9 of it);
-* ``torch.int8`` (int8 wire only): 1 plus one fp32 per block. Rounding to nearest gives
+* ``torch.int8`` (int8 wire only): 1 plus one fp32 per block (``block_size`` elements). Rounding to nearest gives
   ``|r| <= scale / 2`` for every element of a block whose wire scale is ``scale``, so
   ``r`` is kept as ``round(r / (scale / 254))`` in ``[-127, 127]`` with that scale: an error
   of at most ``scale / 508`` per element, 1/254 of the wire's own step. The fp8 and bf16
@@ -33,12 +33,13 @@ __all__ = ["Residual", "RESIDUAL_STEPS", "residual_bytes_per_element"]
 RESIDUAL_STEPS = 254.0  # int8 storage: the residual step is scale / 254 (|r| <= scale / 2 = 127 steps)
 
 
-def residual_bytes_per_element(fmt: GradientReduce, block: int = 128) -> float:
-    """Bytes of storage per residual element (int8: the codes plus one fp32 per ``block``)."""
+def residual_bytes_per_element(fmt: GradientReduce, block: int | None = None) -> float:
+    """Bytes of storage per residual element (int8: the codes plus one fp32 per block of
+    ``block`` elements, by default the format's ``block_size``)."""
     if not fmt.error_feedback:
         return 0.0
     if fmt.residual_dtype is torch.int8:
-        return 1.0 + 4.0 / block
+        return 1.0 + 4.0 / (fmt.block_size if block is None else block)
     return float(torch.empty((), dtype=fmt.residual_dtype).element_size())
 
 

@@ -19,14 +19,15 @@ Each option maps to one cost model (docs/simulate.md, "Cost models"):
   each stage holds in flight (:mod:`.pipeline`).
 - ``grad_wire`` (``bf16`` / ``int8`` / ``fp8``) with ``grad_wire_ef``: ragged_fsdp's
   ``fully_shard(gradient_reduce=GradientReduce(...))``. The shard dim's reduce-scatter becomes
-  an all-to-all of :data:`WIRE_BYTES` per element (codes plus one fp32 scale per
-  ``WIRE_BLOCK`` elements), and the local work of the format (quantise, error feedback,
+  an all-to-all of :func:`wire_bytes_per_element` per element (codes plus one fp32 scale,
+  4 bytes, per block of ``grad_wire_block`` elements: ``WIRE_BLOCK``, the engine's default,
+  when left out; :data:`WIRE_BYTES` at that block), and the local work of the format (quantise, error feedback,
   dequantise and the fp32 sum) is memory traffic of :data:`WIRE_LOCAL_BYTES` per element of
   the unsharded gradient (:mod:`.timing`). Other frameworks are unchanged (they have no such
   option); the HSDP replicate all-reduce stays fp32, as in the engine. ``grad_wire_residual``:
   error feedback's residual storage (:data:`RESIDUAL_BYTES` per element of the pieces a rank
   sends, ``(W - 1) / W`` of each group's unsharded gradient; default as the engine's:
-  int8 for the int8 wire, bf16 for the others).
+  int8 for the int8 wire, bf16 for the others; int8 storage carries one fp32 per block too).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from dataclasses import dataclass
 
 __all__ = ["Recipe", "AC_MODES", "FLOAT8_RECIPES", "PP_SCHEDULES", "MAX_GPUS", "check_finite", "GRAD_WIRES",
            "WIRE_BYTES", "WIRE_BLOCK", "WIRE_LOCAL_BYTES", "RESIDUAL_BYTES", "DEFAULT_RESIDUAL",
-           "feedback_bytes"]
+           "feedback_bytes", "wire_bytes_per_element", "residual_bytes_per_element"]
 
 AC_MODES = ("none", "selective", "op", "full")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 GRAD_WIRES = ("bf16", "int8", "fp8")
-# quant/grad_wire.py: blocks of at least MIN_BLOCK = 128 elements (element-granularity units
-# merged; a 128-wide row is one block), one fp32 scale each
+# quant/grad_wire.py's DEFAULT_BLOCK (GradientReduce.block_size's default): blocks of 128
+# elements (smaller units merged, larger ones cut), one fp32 scale each; the padding between
+# tensors (a block per stretch) is left out here
 WIRE_BLOCK = 128
 WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK, "fp8": 1.0 + 4.0 / WIRE_BLOCK}
 # Memory traffic of the format's local work, bytes per element of the unsharded gradient,
@@ -64,6 +66,21 @@ WIRE_LOCAL_BYTES = {
 # codes carry the fp32 scale of each block they were taken against; int8 only for the int8 wire
 RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK}
 DEFAULT_RESIDUAL = {"int8": "int8", "fp8": "bf16", "bf16": "bf16"}
+
+
+def wire_bytes_per_element(wire: str, block: int | None = None) -> float:
+    """Bytes on the wire per gradient element: bf16 2; int8 and fp8 one code byte plus a
+    4-byte scale per block of ``block`` elements (default :data:`WIRE_BLOCK`)."""
+    if wire == "bf16":
+        return 2.0
+    return 1.0 + 4.0 / (block or WIRE_BLOCK)
+
+
+def residual_bytes_per_element(store: str, block: int | None = None) -> float:
+    """Error feedback's storage per residual element (int8: the codes plus the block's scale)."""
+    if store == "int8":
+        return 1.0 + 4.0 / (block or WIRE_BLOCK)
+    return RESIDUAL_BYTES[store]
 
 
 def feedback_bytes(wire: str, store: str) -> float:
@@ -97,6 +114,7 @@ class Recipe:
     grad_wire: str | None = None  # ragged_fsdp's gradient_reduce wire: None (fp32 reduce-scatter), bf16, int8, fp8
     grad_wire_ef: bool = False  # with grad_wire: error feedback
     grad_wire_residual: str | None = None  # with grad_wire_ef: the residual's storage (None: the engine's default)
+    grad_wire_block: int | None = None  # with an int8 / fp8 grad_wire: elements per scale block (None: WIRE_BLOCK)
 
     @property
     def residual_storage(self) -> str | None:
@@ -109,6 +127,13 @@ class Recipe:
             raise ValueError(f"--grad-wire {self.grad_wire!r}: choose one of {', '.join(GRAD_WIRES)}")
         if self.grad_wire_ef and self.grad_wire is None:
             raise ValueError("--grad-wire-ef needs --grad-wire bf16|int8|fp8 (the residual is of the wire format)")
+        blk = self.grad_wire_block
+        if blk is not None:
+            if isinstance(blk, bool) or not isinstance(blk, int) or blk < 1:
+                raise ValueError(f"--grad-wire-block {blk!r} must be an int >= 1 (elements per scale block)")
+            if self.grad_wire not in ("int8", "fp8"):
+                raise ValueError("--grad-wire-block sets the scale blocks of the int8 and fp8 wires: add --grad-wire "
+                                 "int8 (or fp8)" + ("; the bf16 wire has no scales" if self.grad_wire else ""))
         res = self.grad_wire_residual
         if res is not None:
             if not self.grad_wire_ef:

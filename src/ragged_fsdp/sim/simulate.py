@@ -21,7 +21,8 @@ from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
-from .options import AC_MODES, MAX_GPUS, RESIDUAL_BYTES, WIRE_BYTES, WIRE_LOCAL_BYTES, Recipe, feedback_bytes
+from .options import (AC_MODES, MAX_GPUS, WIRE_LOCAL_BYTES, Recipe, feedback_bytes, residual_bytes_per_element,
+                      wire_bytes_per_element)
 from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
 from .tensor_parallel import tp_block_comm
@@ -239,7 +240,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     wkw = {}
     if wire is not None:
         loc = WIRE_LOCAL_BYTES[wire]
-        wkw = dict(wire_bytes=WIRE_BYTES[wire], wire_sum_bytes=loc["sum"],
+        wkw = dict(wire_bytes=wire_bytes_per_element(wire, rc.grad_wire_block), wire_sum_bytes=loc["sum"],
                    wire_sender_bytes=loc["quantise"] + (feedback_bytes(wire, rc.residual_storage) if rc.grad_wire_ef
                                                         else 0.0))
     ti = TimeInputs(layouts=L, comp_f=comp_f, comp_b=comp_b, cb=cb, rb=rb, replicate=mesh.replicate,
@@ -261,8 +262,11 @@ def _grad_reduce(fw: str, sc: Scenario, arch: Arch, per_stage, s_time: int) -> d
     _, _, tr, L = next(x for x in per_stage if x[0] == s_time)
     fmt = "fp32 reduce-scatter" if wire is None else f"{wire} wire, fp32 sum" + (", error feedback" if rc.grad_wire_ef
                                                                                else "")
+    if wire is not None and rc.grad_wire_block is not None:
+        fmt += f", {rc.grad_wire_block}-element blocks"
     store = rc.residual_storage if wire is not None else None
-    ef = (RESIDUAL_BYTES[store] * sum((g.shard_world - 1) * g.segment for g in L)) if store else 0.0
+    ef = (residual_bytes_per_element(store, rc.grad_wire_block) * sum((g.shard_world - 1) * g.segment for g in L)
+          if store else 0.0)
     if store:
         fmt += f", {store} residual"
     return {"format": fmt, "sent_bytes": tr.reduce_sent_bytes, "wire_local_s": tr.wire_local_s,

@@ -34,7 +34,7 @@ class WireState:
 
     def __init__(self, layout, fmt: GradientReduce):
         self.fmt, self.rank = fmt, layout.rank
-        self.blocks: WireBlocks = wire_blocks(layout)
+        self.blocks: WireBlocks = wire_blocks(layout, fmt.block_size)
         self.mine = self.blocks.of_segment(layout.rank)
         self.residual: Residual | None = None
 
