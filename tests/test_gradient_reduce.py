@@ -195,6 +195,21 @@ def test_bench_block_modes():
     assert bench._fmt(bench.mode_of("fp8-b64")[1]).block_size == 64
 
 
+def test_seed_summary_interval():
+    """The seed summary's 95% interval is mean +- t(0.975, n - 1) * s.e.: for offsets 0, 1, 2, 3
+    (mean 1.5, sample s.d. 1.291, s.e. 0.6455) it is 1.5 +- 3.182 * 0.6455."""
+    from ragged_fsdp.bench import grad_wire as bench
+
+    runs = [{"rows": {"fp32 reduce": {}, "int8": {"mode": "int8", "final_loss_vs_fp32": x, "last50_vs_fp32": -x,
+                                                 "bytes_vs_fp32": 0.258}}} for x in (0.0, 1.0, 2.0, 3.0)]
+    row = bench.summarise(runs)["int8"]
+    f = row["final_loss_vs_fp32"]
+    assert f["mean"] == 1.5 and abs(f["sem"] - 0.645497) < 1e-6
+    assert abs(f["ci95_lo"] - (1.5 - 3.182 * f["sem"])) < 1e-9 and abs(f["ci95_hi"] - (1.5 + 3.182 * f["sem"])) < 1e-9
+    assert row["last50_vs_fp32"]["ci95_hi"] == -f["ci95_lo"]
+    assert bench.t975(23) == 2.069 and bench.t975(200) == 1.96
+
+
 def test_grad_blocks_diagnostic():
     """bench.grad_blocks: the histogram covers the buffers, smaller blocks round fewer of the
     MoE gradient's elements to code 0, and a rows:128 Llama block's largest block is the

@@ -342,10 +342,22 @@ def _tail(losses: list[float], n: int = 50) -> float:
     return sum(losses[-n:]) / min(n, len(losses))
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1..30); beyond, the normal's 1.96 is
+# within 2% of it
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+         2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
+    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
+
+
 def summarise(runs: list[dict]) -> dict:
-    """Per mode over the seeds' runs: mean and standard error of the mean of (final loss vs
-    fp32 of the same seed) and (mean of the last 50 steps vs fp32), and the mean of
-    |final vs fp32|; fractions, as in the rows."""
+    """Per mode over the seeds' runs: mean, standard error of the mean and 95% interval
+    (Student's t) of (final loss vs fp32 of the same seed) and (mean of the last 50 steps vs
+    fp32), and the mean of |final vs fp32|; fractions, as in the rows."""
     out = {}
     for name in runs[0]["rows"]:
         if name == "fp32 reduce":
@@ -355,7 +367,9 @@ def summarise(runs: list[dict]) -> dict:
             xs = [r["rows"][name][key] for r in runs]
             mean = sum(xs) / len(xs)
             var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
-            row[key] = {"mean": mean, "sem": (var / len(xs)) ** 0.5, "per_seed": xs}
+            sem = (var / len(xs)) ** 0.5
+            half = t975(len(xs) - 1) * sem if len(xs) > 1 else float("nan")
+            row[key] = {"mean": mean, "sem": sem, "ci95_lo": mean - half, "ci95_hi": mean + half, "per_seed": xs}
         row["abs_final_loss_vs_fp32_mean"] = sum(abs(x) for x in row["final_loss_vs_fp32"]["per_seed"]) / len(runs)
         row["bytes_vs_fp32"] = runs[0]["rows"][name]["bytes_vs_fp32"]
         out[name] = row
