@@ -295,6 +295,7 @@ def _train(args, name, mode, mesh, batches, ref_grads):
            "_model": model}
     if probe is not None:
         row["grad_rel_err_per_step"] = probe.per_step
+        row["grad_rel_err_mean"] = sum(probe.per_step) / max(1, len(probe.per_step))
         row["accumulated_err"] = probe.accumulated
         row["accumulated_ref"] = probe.accumulated_ref
     return row, ref_grads
