@@ -29,7 +29,7 @@ import torch
 
 from ragged_fsdp import GradientReduce
 from ragged_fsdp.dbuffer.planning import plan_layout
-from ragged_fsdp.quant.grad_wire import _unit_elements, quantize, wire_blocks
+from ragged_fsdp.quant.grad_wire import unit_elements, quantize, wire_blocks
 
 from .meta import run_meta
 
@@ -54,8 +54,7 @@ def _trained(bench, args, world: int, steps: int):
     mean of the ranks' losses: what an fp32 reduction trains), and the batches."""
     model = bench._model(args)
     batches = bench._Batches(args, world)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    opt, sched = bench.recipe(args, model)
     for step in range(steps):
         loss = sum(model.loss(*batches.local(step, r)) for r in range(world)) / world
         loss.backward()
@@ -84,7 +83,7 @@ def measure_model(name: str, world: int, block_sizes: list[int], at_step: int = 
         bufs.append((lay, x))
     out = {"model": name, "step": at_step, "argv": " ".join(MODELS[name]),
            "params": sum(p.numel() for p in model.parameters()),
-           "unit_elements": sorted({_unit_elements(s) for lay, _ in bufs for s in lay.slots}), "by_block": {}}
+           "unit_elements": sorted({unit_elements(s) for lay, _ in bufs for s in lay.slots}), "by_block": {}}
     for bs in block_sizes:
         hist = collections.Counter()
         zero = nonzero = 0
@@ -122,7 +121,7 @@ def _max_inside(lay, blocks) -> int:
 
 def llama_block_max(world: int, block_sizes: list[int]) -> dict:
     lay = plan_layout([(k, s, "rows:128") for k, s in LLAMA8B_BLOCK], world, 0, itemsize=4)
-    return {"world": world, "unit_elements_max": max(_unit_elements(s) for s in lay.slots),
+    return {"world": world, "unit_elements_max": max(unit_elements(s) for s in lay.slots),
             "max_block": {str(bs): _max_inside(lay, wire_blocks(lay, bs)) for bs in block_sizes}}
 
 

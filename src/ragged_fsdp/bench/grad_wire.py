@@ -250,15 +250,19 @@ class _ErrorProbe:
         self.sq_err = self.sq_ref = 0.0
 
 
+def recipe(args, model):
+    """The optimizer and lr schedule a bench model trains with (schedule None for ``small``)."""
+    if args.model == "small":
+        return torch.optim.AdamW(model.parameters(), lr=3e-3), None
+    # the demo's recipe (ragged_fsdp.train)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+
+
 def _train(args, name, mode, mesh, batches, ref_grads):
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _wrap(args, mode, mesh)
-    if args.model == "small":
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        sched = None
-    else:  # the demo's recipe (ragged_fsdp.train)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    opt, sched = recipe(args, model)
     probe = _ErrorProbe() if (args.grad_error and isinstance(mode, tuple)) else None
     losses, grad_err = [], None
     if probe is not None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["GradientReduce", "WireBlocks", "wire_blocks", "quantize", "dequantize", "sum_pieces",
-           "wire_bytes", "reference_reduce", "WIRE_DTYPES", "RESIDUAL_DTYPES", "DEFAULT_BLOCK"]
+           "wire_bytes", "reference_reduce", "unit_elements", "WIRE_DTYPES", "RESIDUAL_DTYPES", "DEFAULT_BLOCK"]
 
 WIRE_DTYPES = (torch.bfloat16, torch.int8, torch.float8_e4m3fn)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -122,7 +122,7 @@ class WireBlocks:
         return self.lengths[self.starts[k]:self.starts[k] + self.per_segment[k]]
 
 
-def _unit_elements(slot) -> int:
+def unit_elements(slot) -> int:
     """Elements per granularity unit of a layout slot (its RaggedShard's unit)."""
     pl, shape = slot.placement, slot.shape
     k = len(pl.dims)
@@ -168,7 +168,7 @@ def wire_blocks(layout, block_size: int = DEFAULT_BLOCK) -> WireBlocks:
     pos = 0
     for slot in sorted(layout.slots, key=lambda s: s.offset):
         gap(pos, slot.offset)
-        g, n = _unit_elements(slot), slot.numel
+        g, n = unit_elements(slot), slot.numel
         a, end = slot.offset, slot.offset + n
         while a < end:
             seg_end = min(end, (a // S + 1) * S)  # units never straddle this (the planner's rule)

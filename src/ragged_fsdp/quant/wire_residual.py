@@ -33,13 +33,13 @@ __all__ = ["Residual", "RESIDUAL_STEPS", "residual_bytes_per_element"]
 RESIDUAL_STEPS = 254.0  # int8 storage: the residual step is scale / 254 (|r| <= scale / 2 = 127 steps)
 
 
-def residual_bytes_per_element(fmt: GradientReduce, block: int | None = None) -> float:
-    """Bytes of storage per residual element (int8: the codes plus one fp32 per block of
-    ``block`` elements, by default the format's ``block_size``)."""
+def residual_bytes_per_element(fmt: GradientReduce) -> float:
+    """Bytes of storage per residual element (int8: the codes plus one fp32 per block of the
+    format's ``block_size`` elements)."""
     if not fmt.error_feedback:
         return 0.0
     if fmt.residual_dtype is torch.int8:
-        return 1.0 + 4.0 / (fmt.block_size if block is None else block)
+        return 1.0 + 4.0 / fmt.block_size
     return float(torch.empty((), dtype=fmt.residual_dtype).element_size())
 
 

@@ -47,7 +47,6 @@ GRAD_WIRES = ("bf16", "int8", "fp8")
 # elements (smaller units merged, larger ones cut), one fp32 scale each; the padding between
 # tensors (a block per stretch) is left out here
 WIRE_BLOCK = 128
-WIRE_BYTES = {"bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK, "fp8": 1.0 + 4.0 / WIRE_BLOCK}
 # Memory traffic of the format's local work, bytes per element of the unsharded gradient,
 # counted from the engine's torch ops as they run today (unfused; quant/grad_wire.py,
 # fsdp/comms/wire_reduce.py), each op reading its inputs and writing its output once:
@@ -64,7 +63,6 @@ WIRE_LOCAL_BYTES = {
 }
 # error feedback's residual storage (quant/wire_residual.py), bytes per residual element: int8
 # codes carry the fp32 scale of each block they were taken against; int8 only for the int8 wire
-RESIDUAL_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / WIRE_BLOCK}
 DEFAULT_RESIDUAL = {"int8": "int8", "fp8": "bf16", "bf16": "bf16"}
 
 
@@ -78,9 +76,11 @@ def wire_bytes_per_element(wire: str, block: int | None = None) -> float:
 
 def residual_bytes_per_element(store: str, block: int | None = None) -> float:
     """Error feedback's storage per residual element (int8: the codes plus the block's scale)."""
-    if store == "int8":
-        return 1.0 + 4.0 / (block or WIRE_BLOCK)
-    return RESIDUAL_BYTES[store]
+    return {"fp32": 4.0, "bf16": 2.0}[store] if store != "int8" else 1.0 + 4.0 / (block or WIRE_BLOCK)
+
+
+WIRE_BYTES = {w: wire_bytes_per_element(w) for w in GRAD_WIRES}  # at the default block
+RESIDUAL_BYTES = {r: residual_bytes_per_element(r) for r in ("fp32", "bf16", "int8")}
 
 
 def feedback_bytes(wire: str, store: str) -> float:
