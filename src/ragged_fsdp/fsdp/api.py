@@ -307,6 +307,18 @@ class FSDPModule(TorchFSDPBase):
             if st.group is not None:
                 st.group.set_gradient_divide_factor(factor)
 
+    def residual_dropped(self, *, recurse: bool = True) -> int:
+        """``gradient_reduce=GradientReduce(error_feedback=True)``: how many error-feedback
+        residual elements came out non-finite (a NaN or inf gradient) and were stored as zero
+        instead, on this rank, since ``fully_shard`` (this module's group, and with
+        ``recurse`` every group below it). Reading it waits for the device."""
+        n = 0
+        for st in self._fsdp_states(recurse):
+            for u in st.group.units if st.group is not None else ():
+                if u.wire is not None and u.wire.residual is not None:
+                    n += int(u.wire.residual.dropped)
+        return n
+
     @property
     def dbuffers(self):
         """The DBuffers of this module's group (one per parameter dtype / trainability)."""

@@ -6,7 +6,9 @@ keeps a part: ``keep``), a gradient reduction issued (``reduce_scatter``, with `
 ran before its group's post-backward, and ``all_reduce`` for HSDP's replicate dim). Events
 carry the buffer's name (``"<group fqn>#<index>"``, the root's group named ``"<root>"``), the
 bytes the event allocates or frees on this rank, whether it happened inside backward, and
-the fully-qualified names of the parameters in the buffer. Recording costs one list append
+the fully-qualified names of the parameters in the buffer; a ``reduce_scatter`` also carries
+``sent``, the bytes this rank puts on the wire for it (``gradient_reduce``'s codes and scales,
+or the reduce dtype's pieces of the other ranks' segments). Recording costs one list append
 per event and nothing when no trace is open. See ``docs/trace.md``.
 """
 
@@ -31,6 +33,7 @@ class Event:
     backward: bool  # inside a backward pass
     early: bool = False  # reduce_scatter: issued before the group's post-backward
     params: tuple[str, ...] = ()  # the parameters the buffer holds
+    sent: int | None = None  # reduce_scatter: bytes this rank sends for it (None for the other kinds)
 
 
 @dataclass
@@ -56,10 +59,12 @@ class Trace:
         return len(self.events)
 
     def table(self) -> str:
-        rows = [f"{'kind':<22} {'buffer':<24} {'MiB':>9}  phase"]
+        rows = [f"{'kind':<22} {'buffer':<24} {'MiB':>9} {'sent MiB':>9}  phase"]
         for e in self.events:
             phase = "backward" if e.backward else "forward"
-            rows.append(f"{e.kind + (' (early)' if e.early else ''):<22} {e.buffer:<24} {e.bytes / 2**20:>9.3f}  {phase}")
+            sent = "" if e.sent is None else f"{e.sent / 2**20:.3f}"
+            rows.append(f"{e.kind + (' (early)' if e.early else ''):<22} {e.buffer:<24} {e.bytes / 2**20:>9.3f} "
+                        f"{sent:>9}  {phase}")
         return "\n".join(rows)
 
 
@@ -70,13 +75,14 @@ def active() -> bool:
     return bool(_open)
 
 
-def record(kind: str, unit, nbytes: int, early: bool = False) -> None:
+def record(kind: str, unit, nbytes: int, early: bool = False, sent: int | None = None) -> None:
     """Append an event for ``unit`` (a :class:`~ragged_fsdp.fsdp.core.unit.Unit`) to every open trace."""
     if not _open:
         return
     group = unit.group_name()
     ev = Event(kind, f"{group}#{unit.index}", group, unit.index, int(nbytes),
-               torch._C._current_graph_task_id() != -1, early, tuple(i.fqn for i in unit.infos))
+               torch._C._current_graph_task_id() != -1, early, tuple(i.fqn for i in unit.infos),
+               None if sent is None else int(sent))
     for t in _open:
         t.events.append(ev)
 

@@ -20,6 +20,17 @@ Storage (``GradientReduce.residual_dtype``), bytes per residual element:
   block's scale, so int8 storage is refused for them.
 
 What storage drops is not fed back: it is the part of the error that accumulates.
+
+Two rules keep a bad step from lasting (docs/gradient-reduce.md, "Error feedback and bad
+steps"):
+
+* a residual element that comes out non-finite (a NaN or inf gradient, or a block whose
+  scale overflowed) is stored as zero and counted in :attr:`Residual.dropped`: a NaN step
+  costs that step's error feedback, never the later steps' gradients;
+* :meth:`Residual.keep` stages the new residual; :meth:`Residual.commit` (the end of a
+  backward that completed) makes it the residual, :meth:`Residual.discard` (a backward that
+  raised) drops it, so the residual is the one of the last completed backward. The staged
+  copy exists from the buffer's reduction to the end of its backward.
 """
 
 from __future__ import annotations
@@ -61,34 +72,63 @@ class Residual:
         # int8 storage: the wire scale each piece's codes were taken against
         self.scales = ([torch.zeros(hi - lo, dtype=torch.float32, device=device) for _, _, lo, hi in self.spans]
                        if store is torch.int8 else None)
+        # keep()'s result until commit() or discard() (None: nothing staged)
+        self.staged: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
+        # non-finite residual elements stored as zero so far (a device tensor: counting
+        # costs no host sync; read it with int())
+        self.dropped = torch.zeros((), dtype=torch.int64, device=device)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the committed residual (a staged one, during backward, doubles it)."""
         return sum(v.nbytes for v in self.values) + sum(s.nbytes for s in self.scales or ())
 
+    def _current(self) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        return self.staged if self.staged is not None else (self.values, self.scales)
+
     def _decoded(self, i: int, dtype: torch.dtype) -> torch.Tensor:
-        v = self.values[i]
-        if self.scales is None:
+        values, scales = self._current()
+        v = values[i]
+        if scales is None:
             return v.to(dtype)
         _, _, lo, hi = self.spans[i]
-        step = self.scales[i] / RESIDUAL_STEPS
+        step = scales[i] / RESIDUAL_STEPS
         return v.to(dtype) * torch.repeat_interleave(step, self.lengths[lo:hi], output_size=v.numel()).to(dtype)
 
     def add_into(self, x: torch.Tensor) -> None:
-        """``x += residual`` at the other ranks' segments (``x``: the unsharded gradient)."""
+        """``x += residual`` at the other ranks' segments (``x``: the unsharded gradient);
+        the staged residual when one is (a second reduction of the buffer in one backward)."""
         for i, (a, b, _, _) in enumerate(self.spans):
             x[a:b].add_(self._decoded(i, x.dtype))
 
     def keep(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor | None) -> None:
-        """Store what the wire drops from ``x`` (``codes``, ``scale``: its quantisation) at
-        the other ranks' segments."""
+        """Stage what the wire drops from ``x`` (``codes``, ``scale``: its quantisation) at
+        the other ranks' segments; non-finite elements are staged as zero and counted."""
+        values, scales = [], ([] if self.scales is not None else None)
         for i, (a, b, lo, hi) in enumerate(self.spans):
             sc = None if scale is None else scale[lo:hi]
             r = x[a:b] - dequantize(codes[a:b], sc, self.lengths[lo:hi], x.dtype, self.fmt)
-            if self.scales is None:
-                self.values[i].copy_(r)
+            bad = ~torch.isfinite(r)
+            self.dropped += bad.sum()
+            r = r.masked_fill_(bad, 0.0)
+            if scales is None:
+                values.append(r.to(self.fmt.residual_dtype))
                 continue
-            self.scales[i].copy_(sc)
+            # a block whose scale is not finite has only zeros left (masked above): keep its
+            # scale at 0, or decoding 0 * inf would bring the NaN back
+            sc = torch.where(torch.isfinite(sc), sc, torch.zeros_like(sc))
             step = torch.where(sc > 0, sc, torch.ones_like(sc)) / RESIDUAL_STEPS
             y = r.float() / torch.repeat_interleave(step, self.lengths[lo:hi], output_size=r.numel())
-            self.values[i].copy_(y.round_().clamp_(-127, 127))
+            values.append(y.round_().clamp_(-127, 127).to(torch.int8))
+            scales.append(sc.clone())
+        self.staged = (values, scales)
+
+    def commit(self) -> None:
+        """The backward that staged a residual completed: it is the residual now."""
+        if self.staged is not None:
+            self.values, self.scales = self.staged
+            self.staged = None
+
+    def discard(self) -> None:
+        """The backward that staged a residual raised: back to the last committed one."""
+        self.staged = None

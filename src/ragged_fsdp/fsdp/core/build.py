@@ -81,7 +81,8 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         # Every rank must have planned the same layout, or the all-gathers silently mix
         # different tensors (or hang when the sizes differ): one small all-reduce to check.
         check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
-                          [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe())
+                          [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe(),
+                          settings={"gradient_reduce": group.gradient_reduce})
     for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
         if fp8 == "subclass":
             units.append(build_subclass_unit(

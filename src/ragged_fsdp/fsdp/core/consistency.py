@@ -20,7 +20,7 @@ from .mesh_info import mesh_device
 
 __all__ = [
     "describe_layouts", "layout_fingerprint", "check_same_layout", "check_same_answers",
-    "LayoutMismatchError",
+    "LayoutMismatchError", "SettingMismatchError",
 ]
 
 
@@ -53,18 +53,26 @@ def layout_fingerprint(lines: list[str]) -> int:
     return int.from_bytes(digest, "little") & ((1 << 62) - 1)
 
 
-def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what: str) -> None:
-    """Raise on every rank if any rank failed to plan or planned something else.
+def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what: str,
+                      settings: dict[str, object] | None = None) -> None:
+    """Raise on every rank if any rank failed to plan or planned something else, or passed
+    other ``settings`` (``fully_shard`` arguments every rank's collectives depend on, such
+    as ``gradient_reduce``: a rank sending int8 codes to a rank expecting bf16 pieces aborts
+    the process in the first backward).
 
     ``error`` is this rank's planning failure (None if it planned): raising it before the
-    collective would leave the other ranks waiting in theirs until the timeout."""
-    if comm.world_size == 1:
+    collective would leave the other ranks waiting in theirs until the timeout. The
+    fingerprint is compared over every rank of the data-parallel ``mesh`` (HSDP's replicas
+    too), one all-reduce per mesh dim."""
+    settings = settings or {}
+    if mesh.size() == 1:
         if error is not None:
             raise error
         return
-    h = layout_fingerprint(describe_layouts(layouts, dtypes, per_rank=False)) if error is None else 0
+    said = [f"setting {k}={v!r}" for k, v in settings.items()]
+    h = layout_fingerprint(describe_layouts(layouts, dtypes, per_rank=False) + said) if error is None else 0
     flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=mesh_device(mesh))
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.group)
+    _max_over_mesh(flags, mesh)
     failed, hi, neg_lo = (int(x) for x in flags.tolist())
     if error is not None:
         raise error
@@ -75,6 +83,8 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
         )
     if hi == h and -neg_lo == h:
         return
+    if settings:
+        _check_same_settings(mesh, settings, what)
     lines = describe_layouts(layouts, dtypes)  # the full form, only to name the difference
     everyone: list = [None] * comm.world_size
     dist.all_gather_object(everyone, lines, group=comm.group)
@@ -92,11 +102,75 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
                 diff = f"rank {comm.rank} has\n    {a.strip()}\nrank {r} has\n    {b.strip()}"
                 break
         break
+    if not diff:
+        diff = "the replicas of the mesh (HSDP) planned different layouts"
     raise LayoutMismatchError(
         f"fully_shard: ranks planned different layouts for {what}; {diff}\n"
         "The parameters (names, shapes, dtypes, order) and the granularity_fn answers must be "
         "the same on every rank: a granularity_fn must not depend on the rank"
     )
+
+
+class SettingMismatchError(ValueError):
+    """Ranks passed different values of a ``fully_shard`` setting their collectives depend on."""
+
+
+def _gather_over_mesh(obj, mesh) -> list:
+    """Every rank's ``obj`` on every rank of ``mesh`` (one ``all_gather_object`` per dim,
+    innermost first), flattened in the mesh's rank order."""
+    out = obj
+    for d in reversed(range(mesh.ndim)):
+        group = mesh.get_group(d)
+        got: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(got, out, group=group)
+        out = got
+    flat: list = []
+
+    def walk(x, depth):
+        if depth == mesh.ndim:
+            flat.append(x)
+            return
+        for y in x:
+            walk(y, depth + 1)
+
+    walk(out, 0)
+    return flat
+
+
+def _check_same_settings(mesh, settings: dict[str, object], what: str) -> None:
+    """Only when the fingerprints differ: gather every rank's settings and raise on every
+    rank, naming the setting, the field that differs and each rank's value."""
+    everyone = _gather_over_mesh((dist.get_rank(), {k: repr(v) for k, v in settings.items()},
+                                  {k: _fields(v) for k, v in settings.items()}), mesh)
+    for name in settings:
+        values = {rank: said[name] for rank, said, _ in everyone}
+        if len(set(values.values())) == 1:
+            continue
+        fields = [f for f in _field_names(everyone, name)
+                  if len({fs[name].get(f, "<absent>") for _, _, fs in everyone}) > 1]
+        which = f" (they differ in {', '.join(fields)})" if fields else ""
+        per_rank = "\n".join(f"  rank {r}: {name}={v}" for r, v in sorted(values.items()))
+        raise SettingMismatchError(
+            f"fully_shard: ranks passed different {name} for {what}{which}:\n{per_rank}\n"
+            f"Pass the same {name} on every rank: every rank's gradient reductions send and expect "
+            "the same format")
+
+
+def _fields(v) -> dict[str, str]:
+    import dataclasses
+
+    if v is None or not dataclasses.is_dataclass(v):
+        return {"value": repr(v)}
+    return {f.name: repr(getattr(v, f.name)) for f in dataclasses.fields(v)}
+
+
+def _field_names(everyone, name: str) -> list[str]:
+    names: list[str] = []
+    for _, _, fs in everyone:
+        for f in fs[name]:
+            if f not in names:
+                names.append(f)
+    return names
 
 
 def _pad(a: list[str], b: list[str]) -> list[str]:

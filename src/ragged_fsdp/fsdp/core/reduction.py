@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from ragged_fsdp.quant.grad_wire import GradientReduce
+from ragged_fsdp.quant.grad_wire import GradientReduce, wire_bytes
 
 from .. import tracing as trace
 from ..comms.collectives import all_reduce, reduce_scatter
@@ -79,6 +79,7 @@ class Reduction:
     early: bool = False  # issued before the group's post-backward
     replicate: Pending | None = None  # after `scatter`: HSDP's replicate all-reduce, or FSDP's all-reduce hook
     phase: Phase = Phase.SCATTERING
+    sent: int = 0  # bytes this rank sends for the shard-dim reduction (trace's `sent`)
 
     def finish_scatter(self) -> None:
         if self.phase is Phase.SCATTERING:
@@ -147,6 +148,18 @@ class Settings:
     wire: GradientReduce | None = None  # fully_shard(gradient_reduce=...): low-precision pieces, fp32 sum
 
 
+def _sent_bytes(unit: Unit, grad: torch.Tensor, settings: Settings) -> int:
+    """Bytes this rank sends for the shard-dim reduction of ``grad``: the wire format's codes
+    and scales (``wire_bytes``), else the other ranks' pieces in the reduce dtype (what the
+    gloo all-to-all and a ring reduce-scatter both send)."""
+    W, S = unit.dp.shard.world_size, unit.buf.segment
+    if W == 1:
+        return 0
+    if settings.wire is None or not grad.is_floating_point() or unit.hooks.reduce_scatter is not None:
+        return (W - 1) * S * grad.element_size()
+    return wire_bytes(unit.wire_state(settings.wire).blocks, settings.wire, unit.dp.shard.rank)[0]
+
+
 def _scatter(dev: Device, unit: Unit, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
              factor: float | None, settings: Settings) -> Pending:
     """The shard-dim reduction of ``unit``: the engine's reduce-scatter (or the user's
@@ -201,7 +214,8 @@ class Reductions:
         self.issued.append(red)
         if queued:
             self.in_flight.append(red)
-        trace.record("reduce_scatter", red.unit, red.target.numel() * red.target.element_size(), early=red.early)
+        trace.record("reduce_scatter", red.unit, red.target.numel() * red.target.element_size(), early=red.early,
+                     sent=red.sent)
 
     # -- issuing -----------------------------------------------------------------------
     def reduce_now(self, dev: Device, units: list[Unit], settings: Settings,
@@ -235,7 +249,8 @@ class Reductions:
         if prev is not None:  # late gradients of an early-reduced unit: add them in
             if not hooked:
                 pending = _scatter(dev, unit, grad, prev.target, True, factor, settings)
-                return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True))
+                return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True,
+                                           sent=_sent_bytes(unit, grad, settings)))
             had, target, accumulate, early = prev.had_grad, prev.target, True, True
         else:
             had, existing = unit.existing_grads()
@@ -250,13 +265,15 @@ class Reductions:
                 target, accumulate = unit.accumulation_target(existing), True
         if not hooked:
             pending = _scatter(dev, unit, grad, target, accumulate, factor, settings)
-            return self._add(Reduction(unit, pending, target, touched, had, dp, early=early))
+            return self._add(Reduction(unit, pending, target, touched, had, dp, early=early,
+                                       sent=_sent_bytes(unit, grad, settings)))
         # the hook sees this reduction's result alone (before it is cast or added into
         # gradients accumulated earlier), as FSDP2's hook sees its reduce-scatter output
         out = target if not accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
         pending = _scatter(dev, unit, grad, out, False, factor, settings)
         stage = _hook_stage(dev, unit, out, target, accumulate, pending)
-        self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage))
+        self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage,
+                            sent=_sent_bytes(unit, grad, settings)))
 
     def _reduce_hsdp(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
                      prev: Reduction | None, early: bool) -> None:
@@ -279,7 +296,8 @@ class Reductions:
 
             first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
             self.in_flight.append(PartialSum(unit, first, keep))
-            trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early)
+            trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early,
+                         sent=_sent_bytes(unit, grad, settings))
             return
         had, existing = unit.existing_grads()
         if prev is not None:  # late gradients: add into the early reduction's segment
@@ -322,7 +340,8 @@ class Reductions:
 
         keep = (partial, target) + ((earlier,) if earlier is not None else ())
         second = all_reduce(dev, dp.replicate, partial, pre=before, post=after, after=first, keep=keep, out=(target,))
-        self._add(Reduction(unit, first, target, touched, had, dp, early=early, replicate=second))
+        self._add(Reduction(unit, first, target, touched, had, dp, early=early, replicate=second,
+                            sent=_sent_bytes(unit, grad, settings)))
         trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
 
     # -- the end of backward -------------------------------------------------------------
@@ -333,6 +352,9 @@ class Reductions:
         into the reduced segment. ``groups`` (in the root's order) orders the flags the
         same on every rank."""
         self.wait_all()
+        for g in groups:  # the backward completed: error feedback's staged residuals are the residuals now
+            for u in g.units:
+                u.commit_residual()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
         describe = {id(u): g._describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))

@@ -278,6 +278,11 @@ class Unit:
             self.wire = WireState(self.buf.layout, fmt)
         return self.wire
 
+    def commit_residual(self) -> None:
+        """The backward completed: error feedback's staged residual becomes the residual."""
+        if self.wire is not None and self.wire.residual is not None:
+            self.wire.residual.commit()
+
     def take_partial(self) -> tuple[torch.Tensor | None, list[bool] | None]:
         """HSDP without the replicate all-reduce: hand over the shard-dim sums kept so far."""
         out = self.partial, self.partial_touched
@@ -289,8 +294,11 @@ class Unit:
 
     def drop_grads(self) -> None:
         """Forget the gradients of a step that raised: the unsharded gradient buffer, the
-        unsharded parameters' ``.grad`` and HSDP's kept shard-dim sums."""
+        unsharded parameters' ``.grad``, HSDP's kept shard-dim sums and the residual its
+        reductions staged (error feedback resumes from the last completed backward's)."""
         self.buf.take_grad()
+        if self.wire is not None and self.wire.residual is not None:
+            self.wire.residual.discard()
         for info in self.infos:
             if info.unsharded is not None:
                 info.unsharded.grad = None
