@@ -284,9 +284,171 @@ def case_trace_reports_the_bytes_sent(rank, world):
         assert f"{want / 2**20:.3f}" in t.table()
 
 
+# -- 6: the residual in checkpoints ----------------------------------------------------------
+
+def _shared_dir(group=None) -> str:
+    import tempfile
+
+    box = [tempfile.mkdtemp(prefix="ef_ckpt_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _steps(m, opt, rank, a, b):
+    for s in range(a, b):
+        x, y = _batch(rank, s)
+        nn.functional.mse_loss(m(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _full(m):
+    return {n: p.full_tensor() for n, p in m.named_parameters()}
+
+
+def _resume(rank, world, fmt, path, hsdp=False):
+    """Parameters after 6 steps straight, and after 3 steps, a save through ``path``, a load
+    into a fresh model and optimizer, and 3 more."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+
+    from ragged_fsdp.checkpoint import (TrainState, get_model_state_dict, get_optimizer_state_dict, load_latest,
+                                        load_local, save, save_local, set_state_dict)
+
+    mesh = _mesh(world, hsdp)
+    make_opt = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.05)) if path == "local"
+                else (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)))
+    m = _model(mesh, fmt)
+    opt = make_opt(m)
+    _steps(m, opt, rank, 0, 6)
+    want = _full(m)
+    m = _model(mesh, fmt)
+    opt = make_opt(m)
+    _steps(m, opt, rank, 0, 3)
+    d = _shared_dir()
+    m2 = _model(mesh, fmt)
+    opt2 = make_opt(m2)
+    if path == "dcp":  # torch's DCP with the state-dict functions
+        dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=d)
+        sd = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2)}
+        dcp.load(sd, checkpoint_id=d)
+        set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif path == "train_state":
+        save({"train": TrainState(m, opt)}, d)
+        load_latest(d, {"train": TrainState(m2, opt2)})
+    else:  # the local save of the flat model state dict (SGD: no optimizer state)
+        save_local(m.state_dict(), os.path.join(d, "local"))
+        dist.barrier()
+        sd = m2.state_dict()
+        load_local(sd, os.path.join(d, "local"))
+        m2.load_state_dict(sd)
+    _steps(m2, opt2, rank, 3, 6)
+    return want, _full(m2)
+
+
+def case_resume_is_bitwise_at_the_same_world(rank, world):
+    failed = []
+    runs = [(fmt, path, False) for fmt in (GradientReduce(torch.int8, True), GradientReduce(torch.int8, True, torch.float32),
+                                           GradientReduce(torch.bfloat16, True),
+                                           GradientReduce(torch.bfloat16, True, torch.float32))
+            for path in ("dcp", "train_state", "local")]
+    runs.append((GradientReduce(torch.int8, True), "train_state", True))  # HSDP (2, 2): a residual per rank
+    for fmt, path, hsdp in runs:
+        want, got = _resume(rank, world, fmt, path, hsdp)
+        for n in want:
+            if not torch.equal(want[n], got[n]):
+                failed.append(f"{fmt} {path} hsdp={hsdp} {n}: {(want[n] - got[n]).abs().max().item():.3e} off the "
+                              "uninterrupted run")
+    assert not failed, "\n".join(failed)
+
+
+def case_resume_at_another_world_starts_from_zero(rank, world):
+    """Saved at W = 4, loaded at W = 2: parameters and optimizer state reshard, the residual
+    does not: a ResidualWarning, a zero residual, and the first step equals a model without
+    error feedback loading the same checkpoint (which ignores the saved residual, warning)."""
+    import warnings
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ragged_fsdp.checkpoint import TrainState, load_latest, save
+    from ragged_fsdp.fsdp.core.residual_state import ResidualWarning
+
+    fmt = GradientReduce(torch.int8, True)
+    m = _model(_mesh(world, False), fmt)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _steps(m, opt, rank, 0, 3)
+    saved = _full(m)
+    d = _shared_dir()
+    save({"train": TrainState(m, opt)}, d)
+    pair = dist.new_group([0, 1])
+    if rank < 2:
+        mesh = DeviceMesh.from_group(pair, "cpu")
+        out = {}
+        for name, f in (("ef", fmt), ("plain", GradientReduce(torch.int8))):
+            m2 = _model(mesh, f)
+            opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                load_latest(d, {"train": TrainState(m2, opt2)}, process_group=pair)
+            said = [str(w.message) for w in caught if issubclass(w.category, ResidualWarning)]
+            key = "starts from a zero residual" if name == "ef" else "ignored"
+            assert said and all(key in s for s in said), (name, said)
+            for n, p in _full(m2).items():
+                assert torch.equal(p, saved[n]), n
+            if name == "ef":
+                sd = m2.state_dict()
+                res = [k for k in sd if "_wire_residual_" in k]
+                assert res and all(not sd[k].to_local().any() for k in res), res
+            _steps(m2, opt2, rank, 3, 4)
+            out[name] = _full(m2)
+        for n in out["ef"]:
+            assert torch.equal(out["ef"][n], out["plain"][n]), n
+    dist.barrier()
+
+
+def case_checkpoint_with_and_without_residual(rank, world):
+    """Strict loads across the two kinds of model: an error-feedback model given a state dict
+    without a residual starts from zero (warning); a model without error feedback given one
+    ignores it (warning); neither raises, by load_state_dict and by the strict DCP load."""
+    import warnings
+
+    from ragged_fsdp.checkpoint import TrainState, load_latest, save
+    from ragged_fsdp.fsdp.core.residual_state import ResidualWarning
+
+    mesh = _mesh(world, False)
+    ef, plain = GradientReduce(torch.int8, True), GradientReduce(torch.int8)
+    trained = {}
+    for name, f in (("ef", ef), ("plain", plain), ("none", None)):
+        m = _model(mesh, f)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        _steps(m, opt, rank, 0, 2)
+        trained[name] = (m, opt)
+    assert not [k for k in trained["none"][0].state_dict() if "_wire_residual" in k]
+    assert not [k for k in trained["plain"][0].state_dict() if "_wire_residual" in k]
+    for src, dst, says in (("plain", ef, "starts from a zero residual"), ("none", ef, "starts from a zero residual"),
+                           ("ef", plain, "ignored"), ("ef", None, "ignored")):
+        for how in ("load_state_dict", "dcp"):
+            m2 = _model(mesh, dst)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if how == "load_state_dict":
+                    m2.load_state_dict(trained[src][0].state_dict(), strict=True)
+                else:
+                    d = _shared_dir()
+                    save({"train": TrainState(trained[src][0], trained[src][1])}, d)
+                    load_latest(d, {"train": TrainState(m2, torch.optim.SGD(m2.parameters(), lr=0.05))})
+            said = [str(w.message) for w in caught if issubclass(w.category, ResidualWarning)]
+            assert said and all(says in s for s in said), (src, dst, how, said)
+            want = _full(trained[src][0])
+            for n, p in _full(m2).items():
+                assert torch.equal(p, want[n]), (src, dst, how, n)
+
+
 CASES = [case_nonfinite_step_does_not_poison_the_residual, case_grad_scaler_recovers,
          case_recovery_after_backward_fault_is_exact, case_gradient_reduce_agreed_across_ranks,
-         case_trace_reports_the_bytes_sent]
+         case_trace_reports_the_bytes_sent, case_resume_is_bitwise_at_the_same_world,
+         case_resume_at_another_world_starts_from_zero, case_checkpoint_with_and_without_residual]
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ragged_fsdp.fsdp.core.residual_state import ResidualWarning, is_residual_key
+
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, ChecksummedReader
 from .scale_planner import default_load_planner, load_planner_error
@@ -94,7 +96,9 @@ def check_state(
     flat, _ = flatten(state)
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in saved) if keys else []
-    unexpected = sorted(k for k in saved if k not in flat) if keys else []
+    # error feedback's residual is optional both ways (fsdp/core/residual_state.py): a model
+    # without error feedback ignores a saved one, with a warning
+    unexpected = sorted(k for k in saved if k not in flat and not is_residual_key(k)) if keys else []
     mismatched = []
     for k in sorted(set(flat) & set(saved)):
         v, md = flat[k], saved[k]
@@ -129,6 +133,30 @@ def check_state(
         )
 
 
+def drop_unloadable_residuals(state: dict[str, Any], metadata: Metadata) -> list[str]:
+    """Take out of ``state`` (nested, as DCP loads it) the error-feedback residual entries
+    the checkpoint cannot fill: absent, or saved at another shape or dtype (another world
+    size, layout or ``residual_dtype``). ``load_state_dict`` then finds none and starts
+    error feedback from a zero residual, with a ``ResidualWarning``. Returns their keys."""
+    flat, mapping = flatten(state)
+    saved = metadata.state_dict_metadata
+    drop = []
+    for k, v in flat.items():
+        if not is_residual_key(k):
+            continue
+        md = saved.get(k)
+        if not (isinstance(md, TensorStorageMetadata) and isinstance(v, torch.Tensor)
+                and tuple(md.size) == tuple(v.shape) and md.properties.dtype == v.dtype):
+            drop.append(k)
+    for k in drop:
+        parent = state
+        path = mapping[k]
+        for step in path[:-1]:
+            parent = parent[step]
+        del parent[path[-1]]
+    return drop
+
+
 def stateful_to_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """What DCP does first: Stateful values (modules, optimizers, TrainState) become their
     ``state_dict()``."""
@@ -150,6 +178,13 @@ def load(state: dict[str, Any], path: str | os.PathLike, *, strict: bool = True,
     path = os.fspath(path)
     sd = stateful_to_state_dict(state)
     md = read_metadata(path)
+    flat_before, _ = flatten(sd)
+    ignored = [k for k in md.state_dict_metadata if is_residual_key(k) and k not in flat_before]
+    if ignored:
+        warnings.warn(f"ragged_fsdp: {path} holds an error-feedback residual ({_listing(ignored, limit=4)}) and the "
+                      "state to load into has none (a model without error feedback): ignored",
+                      ResidualWarning, stacklevel=2)
+    drop_unloadable_residuals(sd, md)
     # Shapes are compared either way (DCP's own complaint is a traceback inside its
     # exception message); with strict=False, keys on one side only are allowed.
     check_state(sd, md, where=path, keys=strict)

@@ -31,6 +31,7 @@ from .core.init import (
 from .compat.torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
 from .compat.torch_state import register_torch_state
 from .core.consistency import check_same_answers
+from .core.residual_state import register_residual_state
 from .core.mesh_info import place_params, resolve_mesh
 from .core.param_group import ParamGroup
 from .core.sharded_param import local_of
@@ -144,6 +145,7 @@ def fully_shard(
             mark_managed(p)
         mark_sharded(group)
         _register_state_dict_hooks(group)
+        register_residual_state(group, modules[0])
     for m in modules:
         set_state(m, state)
         register_torch_state(m, state)

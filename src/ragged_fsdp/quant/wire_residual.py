@@ -123,6 +123,45 @@ class Residual:
             scales.append(sc.clone())
         self.staged = (values, scales)
 
+    # -- as training state (the model's state dict, fsdp/core/residual_state.py) ----------
+    @property
+    def numel(self) -> int:
+        """Elements of the residual: the other ranks' segments, ``(W - 1) * S``."""
+        return sum(b - a for a, b, _, _ in self.spans)
+
+    @property
+    def n_scales(self) -> int:
+        """int8 storage: the scales kept (the other ranks' blocks); 0 for float storage."""
+        return 0 if self.scales is None else sum(hi - lo for _, _, lo, hi in self.spans)
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The committed residual as one run of ``numel`` stored values (and, for int8
+        storage, one of ``n_scales`` scales), the pieces in buffer order: a copy."""
+        empty = torch.zeros(0, dtype=self.fmt.residual_dtype, device=self.dropped.device)
+        values = torch.cat(self.values) if self.values else empty
+        if self.scales is None:
+            return values, None
+        return values, (torch.cat(self.scales) if self.scales else torch.zeros(0, device=self.dropped.device))
+
+    def load_flat(self, values: torch.Tensor | None, scales: torch.Tensor | None = None) -> None:
+        """Make ``values`` (and ``scales``), as :meth:`flat` gives them, the committed
+        residual; ``None``: a zero residual."""
+        self.staged = None
+        if values is None:
+            for v in self.values:
+                v.zero_()
+            for sc in self.scales or ():
+                sc.zero_()
+            return
+        n = 0
+        for v in self.values:
+            v.copy_(values[n:n + v.numel()])
+            n += v.numel()
+        n = 0
+        for sc in self.scales or ():
+            sc.copy_(scales[n:n + sc.numel()])
+            n += sc.numel()
+
     def commit(self) -> None:
         """The backward that staged a residual completed: it is the residual now."""
         if self.staged is not None:

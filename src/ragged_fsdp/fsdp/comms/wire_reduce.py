@@ -39,10 +39,15 @@ class WireState:
         self.residual: Residual | None = None
 
     def residual_for(self, grad: torch.Tensor) -> Residual | None:
+        return self.residual_on(grad.device)
+
+    def residual_on(self, device) -> Residual | None:
+        """The residual (made, zero, at the first reduction or state-dict access on ``device``);
+        None without error feedback."""
         if not self.fmt.error_feedback:
             return None
-        if self.residual is None:  # made at the first reduction, on the gradient's device
-            self.residual = Residual(self.blocks, self.rank, self.fmt, device=grad.device)
+        if self.residual is None:
+            self.residual = Residual(self.blocks, self.rank, self.fmt, device=device)
         return self.residual
 
 
