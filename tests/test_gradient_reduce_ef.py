@@ -164,6 +164,43 @@ def case_grad_scaler_recovers(rank, world):
             assert torch.isfinite(b).all() and not torch.equal(a, b), fmt
 
 
+def _growing_scaler_run(rank, world, fmt, rescale):
+    """SGD under a GradScaler whose scale doubles every step (2**4 .. 2**8), calling
+    ``rescale_residual`` after each change when ``rescale``; ``None``: no scaler."""
+    m = _model(_mesh(world, False), fmt)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    scaler = None if rescale is None else torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=1)
+    for step in range(5):
+        x, y = _batch(rank, step)
+        loss = nn.functional.mse_loss(m(x), y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            old = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if rescale and scaler.get_scale() != old:
+                m.rescale_residual(scaler.get_scale() / old)
+        opt.zero_grad()
+    return _full(m)
+
+
+def case_grad_scaler_scale_change_rescales_the_residual(rank, world):
+    """Powers of two scale every gradient exactly, so with the residual rescaled at each
+    change of scale the run equals, bit for bit, the same run without a scaler; without the
+    rescale it does not (the residual of the old scale is fed into the new one)."""
+    for fmt in (GradientReduce(torch.int8, True), GradientReduce(torch.bfloat16, True),
+                GradientReduce(torch.float8_e4m3fn, True, torch.float32)):
+        want = _growing_scaler_run(rank, world, fmt, None)
+        got = _growing_scaler_run(rank, world, fmt, True)
+        for n in want:
+            assert torch.equal(got[n], want[n]), (fmt, n, (got[n] - want[n]).abs().max().item())
+        stale = _growing_scaler_run(rank, world, fmt, False)
+        assert any(not torch.equal(stale[n], want[n]) for n in want), fmt
+
+
 # -- 3: a backward that raises ------------------------------------------------------------
 
 def _recovery_run(rank, world, opt_kind, fault, skip_bad):
@@ -446,6 +483,7 @@ def case_checkpoint_with_and_without_residual(rank, world):
 
 
 CASES = [case_nonfinite_step_does_not_poison_the_residual, case_grad_scaler_recovers,
+         case_grad_scaler_scale_change_rescales_the_residual,
          case_recovery_after_backward_fault_is_exact, case_gradient_reduce_agreed_across_ranks,
          case_trace_reports_the_bytes_sent, case_resume_is_bitwise_at_the_same_world,
          case_resume_at_another_world_starts_from_zero, case_checkpoint_with_and_without_residual]

@@ -321,6 +321,17 @@ class FSDPModule(TorchFSDPBase):
                     n += int(u.wire.residual.dropped)
         return n
 
+    def rescale_residual(self, factor: float, *, recurse: bool = True) -> None:
+        """Multiply error feedback's residual by ``factor``: the residual is in the units of
+        the gradients it was taken from, so when ``torch.amp.GradScaler`` changes its scale
+        from ``old`` to ``new``, call ``model.rescale_residual(new / old)`` after
+        ``scaler.update()``. Exact for the scaler's powers of two. No-op without error
+        feedback."""
+        for st in self._fsdp_states(recurse):
+            for u in st.group.units if st.group is not None else ():
+                if u.wire is not None and u.wire.residual is not None:
+                    u.wire.residual.rescale(float(factor))
+
     @property
     def dbuffers(self):
         """The DBuffers of this module's group (one per parameter dtype / trainability)."""

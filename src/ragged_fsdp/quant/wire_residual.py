@@ -162,6 +162,14 @@ class Residual:
             sc.copy_(scales[n:n + sc.numel()])
             n += sc.numel()
 
+    def rescale(self, factor: float) -> None:
+        """Multiply the residual by ``factor`` (a loss scale changed: the residual is in the
+        old scale's units). Exact for a power of two (int8 storage: its scales are
+        multiplied, the codes stay)."""
+        values, scales = self._current()
+        for t in scales if scales is not None else values:
+            t.mul_(factor)
+
     def commit(self) -> None:
         """The backward that staged a residual completed: it is the residual now."""
         if self.staged is not None:
