@@ -245,7 +245,7 @@ def case_recovery_after_backward_fault_is_exact(rank, world):
 
 def case_gradient_reduce_agreed_across_ranks(rank, world):
     from ragged_fsdp.fsdp import fully_shard
-    from ragged_fsdp.fsdp.core.consistency import SettingMismatchError
+    from ragged_fsdp.fsdp import SettingMismatchError
 
     cases = [
         # (mesh kind, this rank's gradient_reduce, what the message must say)
@@ -409,7 +409,7 @@ def case_resume_at_another_world_starts_from_zero(rank, world):
     from torch.distributed.device_mesh import DeviceMesh
 
     from ragged_fsdp.checkpoint import TrainState, load_latest, save
-    from ragged_fsdp.fsdp.core.residual_state import ResidualWarning
+    from ragged_fsdp.fsdp import ResidualWarning
 
     fmt = GradientReduce(torch.int8, True)
     m = _model(_mesh(world, False), fmt)
@@ -451,7 +451,7 @@ def case_checkpoint_with_and_without_residual(rank, world):
     import warnings
 
     from ragged_fsdp.checkpoint import TrainState, load_latest, save
-    from ragged_fsdp.fsdp.core.residual_state import ResidualWarning
+    from ragged_fsdp.fsdp import ResidualWarning
 
     mesh = _mesh(world, False)
     ef, plain = GradientReduce(torch.int8, True), GradientReduce(torch.int8)
