@@ -238,12 +238,13 @@ def crc32(data) -> int:
     return zlib.crc32(data)
 
 
-def check_crc32(data, want: int, where: str, what: str, then: str) -> None:
-    """Raise :class:`CheckpointCorruptError` ``"{where}: {what} fail their CRC-32 check ..."``
-    unless ``data`` (bytes, or a tensor's bytes) hashes to ``want``."""
+def check_crc32(data, want: int, where: str, what: str, then: str, error=None) -> None:
+    """Raise ``error`` (default :class:`CheckpointCorruptError`, or a subclass)
+    ``"{where}: {what} fail their CRC-32 check ..."`` unless ``data`` (bytes, or a tensor's
+    bytes) hashes to ``want``."""
     got = crc32(data)
     if got != want:
-        raise CheckpointCorruptError(
+        raise (error or CheckpointCorruptError)(
             f"{where}: {what} fail their CRC-32 check (recorded {want:08x}, read {got:08x}); the file "
             f"changed after it was written. {then}"
         )

@@ -439,7 +439,8 @@ def read_meta(path: str, rank: int, world: int) -> dict:
         raise LocalCheckpointCorruptError(
             f"load_local: {p} (saved rank {rank}) is truncated or extended: {len(payload)} bytes after its header, "
             f"which records {size}. Nothing was loaded")
-    check_crc32(payload, want, f"load_local: {p} (saved rank {rank})", "its bytes", "Nothing was loaded")
+    check_crc32(payload, want, f"load_local: {p} (saved rank {rank})", "its bytes", "Nothing was loaded",
+                LocalCheckpointCorruptError)
     try:
         meta = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # pragma: no cover - a payload that matches its CRC but does not load
@@ -495,7 +496,7 @@ class _Parts:
         t = part[key]
         if (r, key) not in self.checked:
             check_crc32(t, part[HEADER_KEY]["crc32"][key], f"load_local: {p} (saved rank {r})",
-                        f"the bytes of {key!r}", "Nothing was loaded; load another checkpoint")
+                        f"the bytes of {key!r}", "Nothing was loaded; load another checkpoint", LocalCheckpointCorruptError)
             self.checked.add((r, key))
         return t
 
