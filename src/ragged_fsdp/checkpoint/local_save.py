@@ -306,7 +306,8 @@ def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike) -> str:
         flat = _flat(state_dict, "save_local", lists)
         meta, data = part_meta({k: v for k, (v, _) in flat.items()}, rank, world)
         for k, (_, p) in flat.items():
-            meta["entries"][k]["path"] = p
+            if p != (k,):  # only nested keys: a flat model state dict's .meta stays as small
+                meta["entries"][k]["path"] = p
         if os.path.exists(path) and not os.path.isdir(path):
             raise LocalCheckpointError(f"save_local: {path} exists and is not a directory")
         found = _existing(path)
@@ -645,9 +646,9 @@ def read_local_full(path: str, key: str | None = None) -> dict[str, Any]:
             raise _mixed(path, os.path.join(path, _names(s, world)[1]), m.get("save_id") or 0, meta["save_id"] or 0)
     parts = _Parts(path, world, meta.get("save_id"))
     out: dict[str, Any] = {}
-    chosen = {k: e for k, e in meta["entries"].items() if key is None or str(e["path"][0]) == key}
+    chosen = {k: e for k, e in meta["entries"].items() if key is None or str(_path(k, e)[0]) == key}
     if not chosen:
-        tops = sorted({str(e["path"][0]) for e in meta["entries"].values()})
+        tops = sorted({str(_path(k, e)[0]) for k, e in meta["entries"].items()})
         raise KeyError(f"{path} has no top-level key {key!r}; it has {tops}")
     per_rank = sorted(k for k, e in chosen.items() if e["kind"] in ("rank", "rank_object"))
     if per_rank:
@@ -666,8 +667,12 @@ def read_local_full(path: str, key: str | None = None) -> dict[str, Any]:
                 layout.check()
                 for pc in layout.pieces(0, flat.numel()):
                     flat[pc.dst_lo:pc.dst_lo + pc.src_hi - pc.src_lo].copy_(parts.tensor(pc.rank, k)[pc.src_lo:pc.src_hi])
-        _put(out, tuple(e["path"]), value, {tuple(x) for x in meta.get("lists", ())})
+        _put(out, _path(k, e), value, {tuple(x) for x in meta.get("lists", ())})
     return out if key is None else out[key]
+
+
+def _path(key: str, entry: dict) -> tuple:
+    return tuple(entry.get("path", (key,)))
 
 
 def _put(root: dict, path: tuple, value, lists: set) -> None:
