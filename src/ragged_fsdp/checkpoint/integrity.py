@@ -17,6 +17,9 @@ anyway. A whole-file checksum would force every load to read every file in full.
   before a damaged tensor reaches the model. Items without a recorded checksum (checkpoints
   written by torch's writer) are read as torch reads them.
 
+The local save (:mod:`.local_save`) checks its parts with the same :func:`crc32` /
+:func:`check_crc32`, one CRC-32 per stored tensor.
+
 ``ragged_fsdp.checkpoint.save`` / ``load`` / ``load_latest`` / ``async_save`` / ``read_full``
 and ``ckpt convert`` use these; with plain ``dcp.save`` / ``dcp.load`` pass
 ``storage_writer=ChecksummedWriter(path)`` / ``storage_reader=ChecksummedReader(path)``.
