@@ -215,6 +215,22 @@ def _nested_load(granularity):
     assert opt.param_groups[0]["lr"] == ref["optim"]["param_groups"][0]["lr"]
 
 
+def case_per_rank_save_w4(rank, world):
+    from ragged_fsdp.checkpoint import save_local
+
+    save_local({"rng": torch.tensor([rank, 1]), "lr": 0.1}, os.path.join(os.environ[ENV], "per_rank"))
+
+
+def case_per_rank_refused_at_w2(rank, world):
+    """A plain value that differed per rank has no answer at another W: refused by name."""
+    from ragged_fsdp.checkpoint import LocalCheckpointError, load_local
+
+    sd = {"rng": torch.zeros(2, dtype=torch.int64), "lr": 0.0}
+    with pytest.raises(LocalCheckpointError, match=r"\['rng'\] differed between the ranks .* W = 4"):
+        load_local(sd, os.path.join(os.environ[ENV], "per_rank"))
+    assert sd["lr"] == 0.0 and not sd["rng"].any()  # nothing loaded, not even the equal value
+
+
 def case_nested_load_w4(rank, world):
     _nested_load("row")
 
@@ -231,8 +247,9 @@ def case_nested_load_w1(rank, world):
     _nested_load("row")
 
 
-PHASES = [(4, [case_save_w4, case_nested_save_w4, case_nested_load_w4]), (3, [case_load_w3, case_nested_load_w3]),
-          (1, [case_load_w1, case_nested_load_w1]), (2, [case_refusals_w2, case_nested_load_w2])]
+PHASES = [(4, [case_save_w4, case_nested_save_w4, case_nested_load_w4, case_per_rank_save_w4]),
+          (3, [case_load_w3, case_nested_load_w3]), (1, [case_load_w1, case_nested_load_w1]),
+          (2, [case_refusals_w2, case_nested_load_w2, case_per_rank_refused_at_w2])]
 CASES = [c.__name__ for _, cs in PHASES for c in cs]
 
 
