@@ -1,11 +1,13 @@
-"""The local save (``checkpoint.save_local`` / ``load_local``): no collective to save, any
+"""The local save (``checkpoint.save_local`` / ``load_local``): no coordinator to save, any
 world size to load, bitwise.
 
 Launches, in order: W=4 saves the tiny LLaMA (row granularity) plus optimizer-like extras
 (a plain tensor, a plain value) and a copy of the full tensors as the reference; W=3 (another
 granularity) and W=1 load it and compare every tensor bitwise; W=2 checks that a partial save
 (one part missing) is refused by name and that a second save into the same directory is
-refused. The layout math (runs, pieces) is checked here in-process.
+refused. Nested state (the model and torch's AdamW state dict, plain tensors in lists, RaggedShard
+tensors with ranks holding nothing, bf16) saved at W=4 loads bitwise at W=4, 3, 2 and 1. The
+layout math (runs, pieces) is checked here in-process.
 """
 
 from __future__ import annotations
@@ -58,10 +60,13 @@ def case_save_w4(rank, world):
     full = _full(sd)
     if rank == 0:
         torch.save(full, os.path.join(root, "reference.pt"))
-    save_local(sd, os.path.join(root, "ckpt"))  # no collective inside: each rank on its own
-    # a half-written save: only rank 0 writes into "partial"
-    if rank == 0:
-        save_local(sd, os.path.join(root, "partial"))
+    save_local(sd, os.path.join(root, "ckpt"))
+    # a half-written save: every rank saves into "partial", then ranks 1-3 lose their parts
+    # (save_local agrees across ranks, so one rank cannot save alone)
+    save_local(sd, os.path.join(root, "partial"))
+    if rank != 0:
+        for ext in ("meta", "pt"):
+            os.remove(os.path.join(root, "partial", f"part-{rank:05d}-of-{world:05d}.{ext}"))
 
 
 def _load_and_compare(granularity):
@@ -116,7 +121,136 @@ def case_refusals_w2(rank, world):
     assert not [n for n in os.listdir(os.path.join(root, "ckpt")) if ".tmp." in n]
 
 
-PHASES = [(4, [case_save_w4]), (3, [case_load_w3]), (1, [case_load_w1]), (2, [case_refusals_w2])]
+# -- nested state: a model and torch's AdamW state dict, plus nested extras ------------------
+def _odd(world, fill, dtype=torch.float32):
+    """A (7, 5) RaggedShard tensor with ranks holding nothing and unequal counts."""
+    from ragged_fsdp import RaggedShard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    counts = {1: [7], 2: [7, 0], 3: [3, 0, 4], 4: [3, 0, 4, 0]}[world]
+    full = (torch.arange(35.0).reshape(7, 5) * 0.37 + fill).to(dtype)
+    mesh = init_device_mesh("cpu", (world,))
+    return distribute_tensor(full, mesh, [RaggedShard((0,), counts)], src_data_rank=None)
+
+
+def _trained(granularity, seed, steps):
+    m = _model(granularity)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(seed)  # the same batches on every rank
+    for _ in range(steps):
+        tokens = torch.randint(0, 96, (2, 8), generator=g)
+        m(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return m, opt
+
+
+def _nested(m, opt, world, fill):
+    return {"model": m.state_dict(), "optim": opt.state_dict(),
+            "extra": {"step": 7 + fill, "hist": [torch.arange(3.0) + fill, {"w": torch.full((2,), 2.5 + fill)}],
+                      "odd": _odd(world, fill), "odd16": _odd(world, fill, torch.bfloat16)}}
+
+
+def _full_nested(obj):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: _full_nested(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_full_nested(v) for v in obj]
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    return obj.clone() if isinstance(obj, torch.Tensor) else obj
+
+
+def _assert_same(got, ref, where="state"):
+    if isinstance(ref, dict):
+        assert isinstance(got, dict) and set(got) == set(ref), (where, sorted(map(str, got)), sorted(map(str, ref)))
+        for k in ref:
+            _assert_same(got[k], ref[k], f"{where}.{k}")
+    elif isinstance(ref, list):
+        assert len(got) == len(ref), where
+        for i, (a, b) in enumerate(zip(got, ref)):
+            _assert_same(a, b, f"{where}.{i}")
+    elif isinstance(ref, torch.Tensor):
+        assert got.dtype == ref.dtype and torch.equal(got, ref), f"{where} differs"
+    else:
+        assert got == ref, (where, got, ref)
+
+
+def case_nested_save_w4(rank, world):
+    from ragged_fsdp.checkpoint import save_local
+
+    root = os.environ[ENV]
+    m, opt = _trained("row", seed=5, steps=2)
+    sd = _nested(m, opt, world, 0.0)
+    ref = _full_nested(sd)
+    if rank == 0:
+        torch.save(ref, os.path.join(root, "nested_reference.pt"))
+    save_local(sd, os.path.join(root, "nested"))
+
+
+def _nested_load(granularity):
+    """Load the W=4 nested save into a model and AdamW trained differently (other values,
+    same keys), at this W; every tensor bitwise, incl. the optimizer's after load_state_dict."""
+    from ragged_fsdp.checkpoint import load_local
+
+    root = os.environ[ENV]
+    world = dist.get_world_size()
+    m, opt = _trained(granularity, seed=11, steps=1)
+    sd = _nested(m, opt, world, 1.0)
+    load_local(sd, os.path.join(root, "nested"))
+    opt.load_state_dict(sd["optim"])
+    ref = torch.load(os.path.join(root, "nested_reference.pt"), weights_only=True)
+    _assert_same(_full_nested(sd), ref)
+    # through the objects themselves, not the dict that was loaded into
+    params = list(m.parameters())
+    for k, p in m.named_parameters():
+        assert torch.equal(p.full_tensor(), ref["model"][k]), k
+    for i, p in enumerate(params):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            v = opt.state[p][name]
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            assert torch.equal(v, ref["optim"]["state"][i][name]), (i, name)
+    assert opt.param_groups[0]["lr"] == ref["optim"]["param_groups"][0]["lr"]
+
+
+def case_per_rank_save_w4(rank, world):
+    from ragged_fsdp.checkpoint import save_local
+
+    save_local({"rng": torch.tensor([rank, 1]), "lr": 0.1}, os.path.join(os.environ[ENV], "per_rank"))
+
+
+def case_per_rank_refused_at_w2(rank, world):
+    """A plain value that differed per rank has no answer at another W: refused by name."""
+    from ragged_fsdp.checkpoint import LocalCheckpointError, load_local
+
+    sd = {"rng": torch.zeros(2, dtype=torch.int64), "lr": 0.0}
+    with pytest.raises(LocalCheckpointError, match=r"\['rng'\] differed between the ranks .* W = 4"):
+        load_local(sd, os.path.join(os.environ[ENV], "per_rank"))
+    assert sd["lr"] == 0.0 and not sd["rng"].any()  # nothing loaded, not even the equal value
+
+
+def case_nested_load_w4(rank, world):
+    _nested_load("row")
+
+
+def case_nested_load_w3(rank, world):
+    _nested_load("rows:4")
+
+
+def case_nested_load_w2(rank, world):
+    _nested_load(None)
+
+
+def case_nested_load_w1(rank, world):
+    _nested_load("row")
+
+
+PHASES = [(4, [case_save_w4, case_nested_save_w4, case_nested_load_w4, case_per_rank_save_w4]),
+          (3, [case_load_w3, case_nested_load_w3]), (1, [case_load_w1, case_nested_load_w1]),
+          (2, [case_refusals_w2, case_nested_load_w2, case_per_rank_refused_at_w2])]
+CASES = [c.__name__ for _, cs in PHASES for c in cs]
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +263,7 @@ def results(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["case_save_w4", "case_load_w3", "case_load_w1", "case_refusals_w2"])
+@pytest.mark.parametrize("case", CASES)
 def test_local_save_phases(results, case):
     if results[case]:
         pytest.fail(results[case], pytrace=False)

@@ -19,9 +19,10 @@
   as it is written (``ChecksummedWriter``); ``load``/``load_latest``/``read_full`` verify
   every item they read (``ChecksummedReader``) and raise ``CheckpointCorruptError``; the
   writer also seals ``.metadata`` with a SHA-256 that every read checks before using it.
-* ``save_local`` / ``load_local``: a save with no collective (each rank writes its shard and
-  its part of the metadata, a few numbers per tensor whatever W is) that loads at any world
-  size, bitwise; ``ScaleSavePlanner``: DCP's save planner with a coordinator check that stays
+* ``save_local`` / ``load_local``: a save with no coordinator (each rank writes its shard and
+  its part of the metadata, a few numbers per tensor whatever W is; the ranks agree through
+  all-reduces of a few integers) that loads at any world size, bitwise, checks a CRC-32 per
+  stored tensor and refuses parts of two saves; ``ScaleSavePlanner``: DCP's save planner with a coordinator check that stays
   O(n log n) in a tensor's chunks (DCP's own compares every pair for row chunks of wide
   tensors); ``ScaleLoadPlanner``: DCP's load planner, the default of ``load`` /
   ``load_latest`` / ``read_full``, matching each local chunk against a sorted index of a
@@ -36,7 +37,7 @@ from .atomic import save
 from .listing import Checkpoint, latest_checkpoint, list_checkpoints
 from .resume import load_latest
 from .integrity import CheckpointCorruptError, ChecksummedReader, ChecksummedWriter, count_checksums
-from .convert import dcp_to_torch_save, read_full, resolve, torch_save_to_dcp
+from .convert import dcp_to_torch_save, local_to_torch_save, read_full, resolve, torch_save_to_dcp
 from .state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -48,7 +49,7 @@ from .state_dict import (
 )
 from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
-from .local_save import LocalCheckpointError, load_local, local_parts, save_local
+from .local_save import LocalCheckpointCorruptError, LocalCheckpointError, load_local, local_parts, save_local
 from .scale_planner import ScaleLoadPlanner, ScaleSavePlanner
 
 __all__ = [
@@ -58,5 +59,5 @@ __all__ = [
     "get_state_dict", "latest_checkpoint", "list_checkpoints", "load", "load_latest",
     "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",
     "set_optimizer_state_dict", "set_state_dict", "torch_save_to_dcp",
-    "LocalCheckpointError", "load_local", "local_parts", "save_local", "ScaleLoadPlanner", "ScaleSavePlanner",
+    "LocalCheckpointError", "LocalCheckpointCorruptError", "local_to_torch_save", "load_local", "local_parts", "save_local", "ScaleLoadPlanner", "ScaleSavePlanner",
 ]

@@ -115,7 +115,8 @@ def save(
     ``DefaultSavePlanner()`` (or your own) to use it instead."""
     err = _check_save_args(state, root, step, keep_last) or planner_error("save", planner)
     root = os.path.abspath(os.fspath(root)) if err is None else None
-    _agree(err, (step, keep_last), root, process_group)
+    # compared resolved: a symlink and its target (or two spellings of one directory) are one root
+    _agree(err, (step, keep_last), os.path.realpath(root) if root is not None else None, process_group)
     pg = process_group
     rank = _rank(pg)
     world = dist.get_world_size(pg) if _use_dist(pg) else 1
@@ -300,7 +301,7 @@ def _agree(err: str | None, args, root: str | None, pg) -> None:
     """Raise the same error on every rank if any rank's arguments are bad or the ranks
     disagree, before anything is written (a rank that raised alone would leave the others
     waiting in the save's collectives until the process-group timeout). The root is
-    compared as an absolute path: rank 0 alone writes the directory and publishes it, so a
+    compared with symlinks resolved (``os.path.realpath``): rank 0 alone writes the directory and publishes it, so a
     rank naming another root would be handed a checkpoint that is not where it asked."""
     if not _use_dist(pg):
         if err:

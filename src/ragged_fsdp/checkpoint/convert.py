@@ -23,9 +23,10 @@ from .errors import CheckpointWarning
 from .scale_planner import default_load_planner, default_save_planner
 from .integrity import ChecksummedWriter
 from .listing import scan
+from .local_save import is_local_save, read_local_full
 from .strict import dcp_load_verified, quiet_single_process, read_metadata
 
-__all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp"]
+__all__ = ["resolve", "read_full", "dcp_to_torch_save", "torch_save_to_dcp", "local_to_torch_save"]
 
 
 def resolve(path: str | os.PathLike) -> str:
@@ -44,6 +45,11 @@ def resolve(path: str | os.PathLike) -> str:
             return found.path
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist")
+    if is_local_save(path):
+        raise FileNotFoundError(
+            f"{path} is a local save (written by save_local), not a DCP checkpoint: load it with "
+            "ragged_fsdp.checkpoint.load_local, or write it as one torch.save file with "
+            f"`python -m ragged_fsdp ckpt convert {path} OUT.pt`")
     raise FileNotFoundError(
         f"{path} is neither a DCP checkpoint directory (no .metadata) nor a root holding "
         "published checkpoints (step-<n>/ directories)"
@@ -104,6 +110,21 @@ def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: st
     out = os.fspath(out)
     _check_output_file(out, force)
     state = read_full(src, key)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    os.replace(tmp, out)
+    return state
+
+
+def local_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None,
+                        force: bool = False) -> dict:
+    """Write the local save in directory ``src`` (``save_local``, any W) as one ``torch.save``
+    file of full tensors, nested as saved; ``key`` keeps one top-level entry. Every stored
+    tensor is checked against its CRC-32 first. Values saved per rank (they differed between
+    ranks) have no full form and are refused by name. Returns the state dict written."""
+    out = os.fspath(out)
+    _check_output_file(out, force)
+    state = read_local_full(os.fspath(src), key)
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, out)

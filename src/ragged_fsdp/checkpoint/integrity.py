@@ -17,6 +17,9 @@ anyway. A whole-file checksum would force every load to read every file in full.
   before a damaged tensor reaches the model. Items without a recorded checksum (checkpoints
   written by torch's writer) are read as torch reads them.
 
+The local save (:mod:`.local_save`) checks its parts with the same :func:`crc32` /
+:func:`check_crc32`, one CRC-32 per stored tensor.
+
 ``ragged_fsdp.checkpoint.save`` / ``load`` / ``load_latest`` / ``async_save`` / ``read_full``
 and ``ckpt convert`` use these; with plain ``dcp.save`` / ``dcp.load`` pass
 ``storage_writer=ChecksummedWriter(path)`` / ``storage_reader=ChecksummedReader(path)``.
@@ -31,6 +34,7 @@ import os
 import pickle
 import zlib
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.futures import Future
@@ -38,7 +42,8 @@ from torch.futures import Future
 from . import metadata_seal
 from .listing import MARKER
 
-__all__ = ["CheckpointCorruptError", "ChecksummedWriter", "ChecksummedReader", "CRC_FIELD", "count_checksums"]
+__all__ = ["CheckpointCorruptError", "ChecksummedWriter", "ChecksummedReader", "CRC_FIELD", "count_checksums", "crc32",
+           "check_crc32"]
 
 CRC_FIELD = "ragged_crc32"  # attribute added to DCP's per-item storage entry
 SEALED_FIELD = "ragged_sealed"  # set on DCP's Metadata by ChecksummedWriter: a missing seal file means it was lost
@@ -220,15 +225,32 @@ class ChecksummedReader(dcp.FileSystemReader):
                 f"file ends early ({len(data)} of {sinfo.length} bytes); the file is truncated. Entries "
                 "read before it were loaded: load another checkpoint"
             )
-        got = zlib.crc32(data)
-        if got != want:
-            raise CheckpointCorruptError(
-                f"{where}: bytes [{sinfo.offset}, {sinfo.offset + sinfo.length}) of item{key} fail their "
-                f"CRC-32 check (recorded {want:08x}, read {got:08x}); the file changed after it was "
-                "written. That item was not loaded, but entries read before it were: load another "
-                "checkpoint"
-            )
+        check_crc32(data, want, where, f"bytes [{sinfo.offset}, {sinfo.offset + sinfo.length}) of item{key}",
+                    "That item was not loaded, but entries read before it were: load another checkpoint")
         return io.BytesIO(data)
+
+
+def crc32(data) -> int:
+    """CRC-32 of a bytes-like object, or of a CPU tensor's bytes (any dtype, any layout: its
+    elements in row-major order). Both checkpoint formats hash with this one function."""
+    if isinstance(data, torch.Tensor):
+        flat = data.detach().reshape(-1)
+        if flat.numel() == 0:
+            return 0
+        data = flat.view(torch.uint8).numpy()
+    return zlib.crc32(data)
+
+
+def check_crc32(data, want: int, where: str, what: str, then: str, error=None) -> None:
+    """Raise ``error`` (default :class:`CheckpointCorruptError`, or a subclass)
+    ``"{where}: {what} fail their CRC-32 check ..."`` unless ``data`` (bytes, or a tensor's
+    bytes) hashes to ``want``."""
+    got = crc32(data)
+    if got != want:
+        raise (error or CheckpointCorruptError)(
+            f"{where}: {what} fail their CRC-32 check (recorded {want:08x}, read {got:08x}); the file "
+            f"changed after it was written. {then}"
+        )
 
 
 def _seal_expected(md, directory: str) -> str | None:
