@@ -28,12 +28,13 @@ What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, 
 
 from __future__ import annotations
 
-__all__ = ["EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
+__all__ = ["A2A_EFFICIENCY", "EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
 
-EFFICIENCY = {"h100": 0.5231, "a100": 0.7378}
+EFFICIENCY = {"h100": 0.5391, "a100": 0.7626, "b200": 0.2613}
+A2A_EFFICIENCY = {"standard": 0.3918}
 COMPILE_SPEEDUP = 3.6854
-FLOAT8_SPEEDUP = {"tensorwise": 1.7695, "rowwise": 1.3386}
-ATTENTION_RATE = 0.5004
+FLOAT8_SPEEDUP = {"tensorwise": 1.7724, "rowwise": 1.3528, "mxfp8": 1.3877}
+ATTENTION_RATE = 0.4851
 ALLOCATOR_RESERVE = 0.2121
 
 # constant -> id of the point in published_points.json it is fitted on (in fit order)
@@ -45,4 +46,8 @@ FIT_POINTS = {
     "attention_rate": "tt-2412-t2-cp1",
     "float8_speedup:rowwise": "tt-atp-70b-rowwise-vanilla",
     "allocator_reserve": "tt-2412-t1-fsdp",  # on its memory (GiB), the only constant fitted on memory
+    # issue 45 (Blackwell, MXFP8, MoE with EP)
+    "efficiency:b200": "tt-mx-b200-8b-bf16",
+    "float8_speedup:mxfp8": "tt-mx-b200-8b-mxfp8-cublas",
+    "a2a_efficiency:standard": "tt-deepep-qwen3-default-8",
 }

@@ -1,0 +1,74 @@
+"""A MoE layer as it runs: router, token permutation, grouped expert GEMMs at their per-rank
+shapes, and the dispatch / combine all-to-all over the EP group.
+
+- Routing imbalance ``imbalance`` = tokens on the most loaded EP rank / the mean. The step
+  waits for that rank, so its expert GEMMs (:func:`.compute.group_flops`) and the bytes it
+  receives scale by it. Default :data:`DEFAULT_IMBALANCE`; torchtitan's published MoE
+  points force balanced routing (``debug_moe_force_load_balance``) and are simulated at 1.0.
+- Permutation: torchtitan's dispatcher gathers each routed token copy into expert order
+  before the grouped GEMM and scatters the outputs back, summing the ``top_k`` copies with
+  their weights: per MoE layer and forward, read + write of the routed copies twice
+  (permute, unpermute) = ``4 x tokens x top_k x hidden x cb`` bytes; backward twice that.
+  Router: the ``hidden x E`` GEMM is a linear (:mod:`.compute`); softmax / top-k / the
+  scores' gather move ``tokens x E`` fp32 values a few times (``ROUTER_PASSES``).
+- All-to-all: each rank sends ``tokens x top_k x hidden x cb x imbalance`` bytes per dispatch
+  (``1/ep`` of them stay local) and as many back per combine; forward dispatch + combine,
+  backward the same reversed, and again in forward's recomputation under full activation
+  checkpointing (per-op SAC saves the all-to-all outputs, torchtitan's policy). Intra-node
+  over NVLink, across nodes through each rank's NIC (:func:`.comm.alltoall_time`).
+  ``standard`` (torchtitan's default: ``all_to_all_single`` after a device-to-host copy of
+  the split sizes, run on the compute stream, never overlapped) reaches ``A2A_EFFICIENCY
+  ["standard"]`` of the link bandwidth, fitted on one published point (:mod:`.fitted`);
+  ``deepep`` reaches 0.95 of it: DeepEP's published normal-kernel bottleneck bandwidth,
+  153 / 158 GB/s of H800's ~160 GB/s NVLink (EP 8) and 43-58 GB/s of a 50 GB/s CX7 NIC
+  (EP 16-64), deepseek-ai/DeepEP README (not fitted here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import fitted
+from .comm import alltoall_time
+from .profiles import GPUProfile
+
+__all__ = ["DISPATCHERS", "DEFAULT_IMBALANCE", "ROUTER_PASSES", "MoECost", "a2a_bytes", "moe_layer_cost",
+           "a2a_calls"]
+
+DISPATCHERS = ("standard", "deepep")
+# most loaded EP rank / mean; an assumption (not calibrated): aux-loss-free balanced routing
+# (DeepSeek-V3's) keeps experts' per-batch load close to the mean, not equal to it
+DEFAULT_IMBALANCE = 1.1
+ROUTER_PASSES = 6  # fp32 passes over tokens x E scores: softmax/sigmoid (2), top-k (2), gather (2)
+DEEPEP_EFFICIENCY = 0.95
+
+
+@dataclass
+class MoECost:
+    permute_f: float  # seconds per MoE layer, forward (permutation + router elementwise)
+    permute_b: float
+    a2a_call: float  # seconds of one dispatch (or combine) on this rank
+    a2a_bytes: float  # bytes this rank sends per call
+
+
+def a2a_bytes(tokens: float, top_k: int, hidden: int, cb: float, imbalance: float = 1.0) -> float:
+    """Bytes one rank hands to one dispatch (or receives from one combine): every routed copy
+    of its tokens, the most loaded rank's share. ``1/ep`` of them stay local."""
+    return tokens * top_k * hidden * cb * imbalance
+
+
+def a2a_calls(act_ckpt: str) -> float:
+    """Dispatch + combine calls per MoE layer per microbatch: forward 2, backward 2, and
+    forward's recomputation under full (2) or layer-selective (every other block: 1) AC."""
+    return 4.0 + {"full": 2.0, "selective": 1.0}.get(act_ckpt, 0.0)
+
+
+def moe_layer_cost(prof: GPUProfile, tokens: float, top_k: int, experts: int, hidden: int, cb: float, ep: int,
+                   dispatcher: str, imbalance: float, stride: int = 1) -> MoECost:
+    copies = tokens * top_k * hidden * cb * (imbalance if ep > 1 else 1.0)
+    router = ROUTER_PASSES * tokens * experts * 4
+    pf = (4 * copies + router) / prof.mem_bw
+    nb = a2a_bytes(tokens, top_k, hidden, cb, imbalance) if ep > 1 else 0.0
+    eff = DEEPEP_EFFICIENCY if dispatcher == "deepep" else fitted.A2A_EFFICIENCY["standard"]
+    call = alltoall_time(prof, nb, ep, stride) / eff if nb else 0.0
+    return MoECost(pf, 2 * pf, call, nb)
