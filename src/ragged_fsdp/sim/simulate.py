@@ -28,6 +28,7 @@ from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
 from .tensor_parallel import tp_block_comm
 from .timing import TimeInputs, newton_schulz_flops, step_time
+from .uncertainty import uncertainty
 
 __all__ = ["Scenario", "FrameworkResult", "simulate", "simulate_auto", "FRAMEWORKS", "VALIDATED",
            "DEFAULT_GRANULARITY"]
@@ -102,6 +103,9 @@ class FrameworkResult:
     # the shard dim's gradient reduction: format, bytes one rank sends per step, seconds of
     # the wire format's local work (quantise, error feedback, dequantise + fp32 sum)
     grad_reduce: dict = field(default_factory=dict)
+    # what the prediction rests on: each term calibrated (on which point), cited or assumed,
+    # and the validation's error band for runs of this kind (sim/uncertainty.py)
+    uncertainty: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -332,6 +336,7 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
             padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
             time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem,
             grad_reduce=_grad_reduce(fw, sc, arch, per_stage, s_time),
+            uncertainty=uncertainty(prof.name, sc.recipe, bool(arch.experts), mesh.ep),
             # measured on 1-D FSDP meshes of W ranks: the set-up is taken at the shard group's
             # size and the coordinator's planning at every rank's (it gathers all plans)
             host={"startup": host_costs(sc.model, fw, mesh.dp, n_tensors),

@@ -180,6 +180,9 @@ def _recipe_text(r: dict) -> str:
         out.append(f"fp8 {r['float8']}" + (" + fp8 AG" if r.get("float8_allgather") else ""))
     if r.get("async_tp"):
         out.append("async TP")
+    if r.get("moe_dispatcher"):
+        out.append(("DeepEP" if r["moe_dispatcher"] == "deepep" else "default EP all-to-all")
+                   + (f", imbalance {r['moe_imbalance']}" if r.get("moe_imbalance") else ""))
     if r.get("pp_schedule") and r.get("microbatches"):
         out.append(f"{r['pp_schedule']} x{r['microbatches']}")
     return ", ".join(out) or "bf16 eager"
