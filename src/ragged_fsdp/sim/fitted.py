@@ -7,8 +7,13 @@ What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, 
   compute roof of each GEMM's roofline; memory-bound GEMMs and the elementwise work are
   costed separately at ``mem_bw``). H100: torchtitan Llama 3.1 8B on 8 Grand Teton H100
   (peak taken as 912 TFLOP/s, see :mod:`.profiles`), FSDP, per-op SAC (5,762 tok/s); A100:
-  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s). H200 and B200 borrow
-  H100's (a 700 W H200 may run its GEMMs faster than the 500 W part it was fitted on).
+  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s); B200: torchtitan
+  mxfp8.md, Llama 3 8B on 8 power-limited B200, bf16 (8,307.5 tok/s). H200 and MI300X borrow
+  H100's, GB200 B200's. Large GEMMs only: smaller shapes lose to :mod:`.gemm`'s saturation.
+- ``FLOAT8_SPEEDUP["mxfp8"]``: the same B200 table's ``mxfp8_cublas`` row (9,969 tok/s).
+- ``A2A_EFFICIENCY["standard"]``: torchtitan's default EP all-to-all, achieved over link
+  bandwidth (:mod:`.moe`), on the DeepEP README's default-EP figure (Qwen3-30B-A3B, 8 B200,
+  EP 8, 9,930 tok/s).
 - ``COMPILE_SPEEDUP``: how many times fewer elementwise bytes the blocks move under
   ``torch.compile`` (fused kernels); fitted on the same 8-GPU table's "FSDP +
   torch.compile" row (6,667 tok/s). The kernel-by-kernel count in
