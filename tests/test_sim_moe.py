@@ -80,15 +80,23 @@ def test_expert_flops_per_rank_independent_of_ep(ep):
 
 def test_alltoall_hand_computed():
     prof = GPUProfile("t", 80e9, 1e15, 2e12, 100e9, 10e9, 8, alpha_intra=1e-6, alpha_inter=2e-6)
-    nbytes = 1024 * 2 * 64 * 2 * 1.5  # tokens x top_k x hidden x bf16 x imbalance
+    # DeepEP sends a token once per rank holding one of its experts: 8 experts, 2 per rank at
+    # EP 4, top-2: a rank misses both with probability 6/8 x 5/7, so 4 x (1 - 30/56) ranks
+    ranks = 4 * (1 - 30 / 56)
+    nbytes = 1024 * ranks * 64 * 2 * 1.5  # tokens x ranks per token x hidden x bf16 x imbalance
     c = moe_layer_cost(prof, 1024, 2, 8, 64, 2, 4, "deepep", 1.5)
-    assert c.a2a_bytes == nbytes
+    assert math.isclose(c.a2a_bytes, nbytes, rel_tol=1e-12)
+    # the default dispatcher sends every routed copy (top_k per token)
+    assert moe_layer_cost(prof, 1024, 2, 8, 64, 2, 4, "standard", 1.5).a2a_bytes == 1024 * 2 * 64 * 2 * 1.5
     assert math.isclose(c.a2a_call, (3 * 1e-6 + 3 / 4 * nbytes / 100e9) / 0.95, rel_tol=1e-12)
     # 16 ranks over two 8-GPU nodes: each rank's own NIC, latency 7 NVLink steps + 1 tree level
     c = moe_layer_cost(prof, 1024, 2, 8, 64, 2, 16, "deepep", 1.5)
-    assert math.isclose(c.a2a_call, (7e-6 + 2e-6 + 15 / 16 * nbytes / 10e9) / 0.95, rel_tol=1e-12)
-    # permutation: 4 x routed copies read + written each way forward, plus the router's scores
-    assert math.isclose(c.permute_f, (4 * nbytes + 6 * 1024 * 8 * 4) / 2e12, rel_tol=1e-12)
+    nbytes16 = 1024 * 2 * 64 * 2 * 1.5  # more ranks than experts: each copy to a rank of its own
+    assert math.isclose(c.a2a_bytes, nbytes16, rel_tol=1e-12)
+    assert math.isclose(c.a2a_call, (7e-6 + 2e-6 + 15 / 16 * nbytes16 / 10e9) / 0.95, rel_tol=1e-12)
+    # permutation: 4 x routed copies (top_k per token) read + written each way forward, plus
+    # the router's scores
+    assert math.isclose(c.permute_f, (4 * 1024 * 2 * 64 * 2 * 1.5 + 6 * 1024 * 8 * 4) / 2e12, rel_tol=1e-12)
     assert c.permute_b == 2 * c.permute_f
 
 

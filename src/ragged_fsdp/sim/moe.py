@@ -19,9 +19,17 @@ shapes, and the dispatch / combine all-to-all over the EP group.
   ``standard`` (torchtitan's default: ``all_to_all_single`` after a device-to-host copy of
   the split sizes, run on the compute stream, never overlapped) reaches ``A2A_EFFICIENCY
   ["standard"]`` of the link bandwidth, fitted on one published point (:mod:`.fitted`);
-  ``deepep`` reaches 0.95 of it: DeepEP's published normal-kernel bottleneck bandwidth,
-  153 / 158 GB/s of H800's ~160 GB/s NVLink (EP 8) and 43-58 GB/s of a 50 GB/s CX7 NIC
-  (EP 16-64), deepseek-ai/DeepEP README (not fitted here).
+  ``deepep`` sends a token once to every rank that holds at least one of its ``top_k``
+  experts (its dispatch layout is per rank, ``is_token_in_rank``; the combine reduces the
+  copies on their rank before sending back), not once per expert: with the experts spread
+  evenly, ``ep x (1 - C(E - E/ep, k) / C(E, k))`` ranks per token on average
+  (:func:`deepep_ranks_per_token`; Qwen3-30B-A3B at EP 8: 5.36, against 8 copies). It
+  reaches :func:`deepep_efficiency` of the link: on Hopper 0.95, DeepEP's published
+  normal-kernel bottleneck bandwidth (153 / 158 GB/s of H800's ~160 GB/s NVLink at EP 8,
+  43-58 GB/s of a 50 GB/s CX7 NIC at EP 16-64; deepseek-ai/DeepEP README); on Blackwell
+  NVLink 0.557, torchtitan's own tuned B200 EP-8 measurement (dispatch 516.71 GB/s, combine
+  485.75 GB/s of 900 GB/s; ``torchtitan/distributed/deepep/utils.py`` at 366776a, the
+  configuration of the published DeepEP runs). Neither is fitted here.
 """
 
 from __future__ import annotations
@@ -33,14 +41,17 @@ from .comm import alltoall_time
 from .profiles import GPUProfile
 
 __all__ = ["DISPATCHERS", "DEFAULT_IMBALANCE", "ROUTER_PASSES", "MoECost", "a2a_bytes", "moe_layer_cost",
-           "a2a_calls"]
+           "a2a_calls", "deepep_ranks_per_token", "deepep_efficiency"]
 
 DISPATCHERS = ("standard", "deepep")
 # most loaded EP rank / mean; an assumption (not calibrated): aux-loss-free balanced routing
 # (DeepSeek-V3's) keeps experts' per-batch load close to the mean, not equal to it
 DEFAULT_IMBALANCE = 1.1
 ROUTER_PASSES = 6  # fp32 passes over tokens x E scores: softmax/sigmoid (2), top-k (2), gather (2)
-DEEPEP_EFFICIENCY = 0.95
+DEEPEP_EFFICIENCY = 0.95  # Hopper (and across nodes): DeepEP README
+# Blackwell NVLink: mean of torchtitan's tuned B200 EP-8 dispatch / combine over 900 GB/s
+DEEPEP_EFFICIENCY_BLACKWELL_NVLINK = (516.71 + 485.75) / 2 / 900
+BLACKWELL = ("b200", "gb200")
 
 
 @dataclass
@@ -63,12 +74,32 @@ def a2a_calls(act_ckpt: str) -> float:
     return 4.0 + {"full": 2.0, "selective": 1.0}.get(act_ckpt, 0.0)
 
 
+def deepep_ranks_per_token(top_k: int, experts: int, ep: int) -> float:
+    """Expected number of EP ranks a token is dispatched to when its ``top_k`` distinct
+    experts are drawn uniformly from ``experts`` spread evenly over ``ep`` ranks: ``ep``
+    times the chance a rank holds at least one of them (hypergeometric)."""
+    if ep <= 1 or not experts:
+        return float(min(top_k, 1))
+    local = experts / ep
+    miss = 1.0
+    for i in range(top_k):
+        miss *= max(0.0, (experts - local - i) / (experts - i))
+    return min(float(top_k), ep * (1.0 - miss))  # never more ranks than copies
+
+
+def deepep_efficiency(prof: GPUProfile, ep: int, stride: int = 1) -> float:
+    """DeepEP's achieved fraction of the bottleneck link (see the module docstring)."""
+    intra = ep * stride <= prof.gpus_per_node
+    return DEEPEP_EFFICIENCY_BLACKWELL_NVLINK if (intra and prof.name in BLACKWELL) else DEEPEP_EFFICIENCY
+
+
 def moe_layer_cost(prof: GPUProfile, tokens: float, top_k: int, experts: int, hidden: int, cb: float, ep: int,
                    dispatcher: str, imbalance: float, stride: int = 1) -> MoECost:
     copies = tokens * top_k * hidden * cb * (imbalance if ep > 1 else 1.0)
     router = ROUTER_PASSES * tokens * experts * 4
     pf = (4 * copies + router) / prof.mem_bw
-    nb = a2a_bytes(tokens, top_k, hidden, cb, imbalance) if ep > 1 else 0.0
-    eff = DEEPEP_EFFICIENCY if dispatcher == "deepep" else fitted.A2A_EFFICIENCY["standard"]
+    copies_sent = deepep_ranks_per_token(top_k, experts, ep) if dispatcher == "deepep" else top_k
+    nb = a2a_bytes(tokens, copies_sent, hidden, cb, imbalance) if ep > 1 else 0.0
+    eff = deepep_efficiency(prof, ep, stride) if dispatcher == "deepep" else fitted.A2A_EFFICIENCY["standard"]
     call = alltoall_time(prof, nb, ep, stride) / eff if nb else 0.0
     return MoECost(pf, 2 * pf, call, nb)
