@@ -40,12 +40,13 @@ def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
         terms["nvfp4 GEMM gain"] = "assumed: MXFP8's fitted gain x 2 (data sheet ratio); no published NVFP4 point"
     if moe and ep > 1:
         terms["EP all-to-all"] = (_fit("a2a_efficiency:standard") if recipe.moe_dispatcher == "standard" else
-                                  "DeepEP's published bandwidth (0.95 of the link), not fitted here")
+                                  "DeepEP: a token once per destination rank, at DeepEP's published bandwidth (0.95 of "
+                                  "the link; 0.557 on Blackwell NVLink, torchtitan's B200 tuning), not fitted here")
         terms["routing imbalance"] = ("given" if recipe.moe_imbalance is not None else
                                       "assumed 1.1 (default; not calibrated)")
     terms["allocator reserve (memory)"] = _fit("allocator_reserve")
     if moe:
-        band = ("MoE with EP on Blackwell: validation points -17% to -28% (predicted too slow); memory of "
+        band = ("MoE with EP on Blackwell: validation points -18% to -28% (predicted too slow; B200 efficiency fitted on power-limited parts); memory of "
                 "DeepEP runs not modelled (-48% to -70%)")
     elif profile_name in ("mi300x", "gb200") or recipe.float8 == "nvfp4":
         band = "no validation point for this GPU / recipe"
