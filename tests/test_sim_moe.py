@@ -116,7 +116,14 @@ def test_step_alltoall_part_and_imbalance_monotonic():
     for fw in ("ragged", "fsdp2", "fsdp1", "deepspeed", "megatron"):
         steps = [x[fw].step_s for x in runs]
         assert all(a < b for a, b in zip(steps, steps[1:])), (fw, steps)
-    assert _qwen(1.0, "deepep")["ragged"].step_s < runs[0]["ragged"].step_s
+    deep = _qwen(1.0, "deepep")
+    assert deep["ragged"].step_s < runs[0]["ragged"].step_s
+    # DeepEP's NVLink buffer, hand-counted from DeepEP's Config: 64 channels (128 SMs) x 8
+    # peers x 256 slots x (2,048 x 2 hidden bytes + 128 x (8 + 4 + 4) top-k / scale bytes)
+    buf = 64 * 8 * 256 * (2048 * 2 + 128 * 16)
+    for fw in ("ragged", "fsdp2"):
+        assert math.isclose(deep[fw].memory_bytes - runs[0][fw].memory_bytes, buf, rel_tol=1e-9)
+        assert deep[fw].memory_items["DeepEP buffer"] == buf
 
 
 def test_gemm_rate_by_shape():

@@ -41,7 +41,7 @@ from .comm import alltoall_time
 from .profiles import GPUProfile
 
 __all__ = ["DISPATCHERS", "DEFAULT_IMBALANCE", "ROUTER_PASSES", "MoECost", "a2a_bytes", "moe_layer_cost",
-           "a2a_calls", "deepep_ranks_per_token", "deepep_efficiency"]
+           "a2a_calls", "deepep_ranks_per_token", "deepep_efficiency", "deepep_buffer_bytes"]
 
 DISPATCHERS = ("standard", "deepep")
 # most loaded EP rank / mean; an assumption (not calibrated): aux-loss-free balanced routing
@@ -91,6 +91,28 @@ def deepep_efficiency(prof: GPUProfile, ep: int, stride: int = 1) -> float:
     """DeepEP's achieved fraction of the bottleneck link (see the module docstring)."""
     intra = ep * stride <= prof.gpus_per_node
     return DEEPEP_EFFICIENCY_BLACKWELL_NVLINK if (intra and prof.name in BLACKWELL) else DEEPEP_EFFICIENCY
+
+
+# DeepEP's NVLink buffer (``Config.get_nvl_buffer_size_hint``, deepseek-ai/DeepEP
+# ``csrc/config.hpp``): per channel (``num_sms / 2``) and NVLink peer, a ring of
+# ``recv_tokens`` slots of the hidden bytes plus 128 top-k indices (int64), 128 weights and
+# 128 scales (fp32). torchtitan sizes it with DeepEP's default config for the EP degree
+# (``get_buffer`` in ``torchtitan/distributed/deepep/fused_a2a.py``; EP <= 8: 256 slots)
+# and runs 128 SMs (``turbo_deepep_num_cus``, its tuned EP-8 value), one buffer per process.
+DEEPEP_NUM_SMS = 128
+DEEPEP_MAX_NVL_PEERS = 8  # DeepEP's NUM_MAX_NVL_PEERS
+DEEPEP_NVL_RECV_TOKENS = 256
+DEEPEP_SLOT_META_BYTES = 128 * 8 + 128 * 4 + 128 * 4
+
+
+def deepep_buffer_bytes(hidden: int, cb: float, ep: int, gpus_per_node: int) -> float:
+    """Bytes of DeepEP's NVLink communication buffer on one rank (intra-node part; the RDMA
+    buffer of EP across nodes is not modelled)."""
+    if ep <= 1:
+        return 0.0
+    peers = min(ep, gpus_per_node, DEEPEP_MAX_NVL_PEERS)
+    hidden_bytes = hidden * max(cb, 2)
+    return DEEPEP_NUM_SMS / 2 * peers * DEEPEP_NVL_RECV_TOKENS * (hidden_bytes + DEEPEP_SLOT_META_BYTES)
 
 
 def moe_layer_cost(prof: GPUProfile, tokens: float, top_k: int, experts: int, hidden: int, cb: float, ep: int,

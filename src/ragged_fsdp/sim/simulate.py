@@ -16,7 +16,7 @@ from .breakdown import breakdown
 from .buffers import DIFFERENCES
 from .activations import saved_bytes_per_token
 from .compute import _is_routed, attention_rate, compute_times, group_flops, is_fp8_linear, tp_feed
-from .moe import DEFAULT_IMBALANCE, a2a_calls, moe_layer_cost
+from .moe import DEFAULT_IMBALANCE, a2a_calls, deepep_buffer_bytes, moe_layer_cost
 from .context import ring_exposed
 from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
@@ -323,7 +323,12 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         # group's unsharded gradient (quant/wire_residual.py), on top of every phase's peak
         ef = _grad_reduce(fw, sc, arch, per_stage, s_mem)["feedback_bytes"]
         peak += ef * (1 + prof.alloc_reserve)
-        items = {**mem.items, **({"error-feedback residuals": ef} if ef else {})}
+        # DeepEP's communication buffer lives for the whole process, on top of every phase
+        dbuf = (deepep_buffer_bytes(arch.hidden, DTYPE_BYTES[sc.dtype], mesh.ep, prof.gpus_per_node)
+                if arch.experts and sc.recipe.moe_dispatcher == "deepep" else 0.0)
+        peak += dbuf
+        items = {**mem.items, **({"error-feedback residuals": ef} if ef else {}),
+                 **({"DeepEP buffer": dbuf} if dbuf else {})}
         L_all = [g for _, _, _, L in per_stage for g in L]
         used = sum(g.numel * g.count for g in L_all)
         held = sum((g.segment + g.persistent) * g.shard_world for g in L_all)

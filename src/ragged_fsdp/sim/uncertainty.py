@@ -47,7 +47,7 @@ def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
     terms["allocator reserve (memory)"] = _fit("allocator_reserve")
     if moe:
         band = ("MoE with EP on Blackwell: validation points -18% to -28% (predicted too slow; B200 efficiency fitted on power-limited parts); memory of "
-                "DeepEP runs not modelled (-48% to -70%)")
+                "DeepEP runs: resident routed activations not modelled (-47% to -70%)")
     elif profile_name in ("mi300x", "gb200") or recipe.float8 == "nvfp4":
         band = "no validation point for this GPU / recipe"
     else:
