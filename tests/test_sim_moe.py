@@ -189,3 +189,16 @@ def test_prediction_carries_what_it_rests_on():
     sc = Scenario("llama3-8b", 8, PROFILES["mi300x"], parse_mesh("dp=8", 8), "adamw", "bf16", 4096, 1, "full", None)
     u = simulate(sc, ("fsdp2",))[0].uncertainty
     assert "unvalidated on mi300x" in u["terms"]["GEMM efficiency"] and "no validation point" in u["validated_error_band"]
+
+
+def test_megatron_chunks_experts_as_megatron_core_holds_them():
+    # Megatron-FSDP pads a bucket to dp x LCM(shape[1:]) of its weights; Megatron-Core keeps
+    # one 2-D weight per expert (TE GroupedLinear), so the chunk factor is a row of 2,880,
+    # not a whole 5,760 x 2,880 expert (which padded 16 experts over 128 ranks to 128 experts)
+    from ragged_fsdp.sim.layout import group_layouts
+    groups = [("layers.0", [("layers.0.mlp.experts.gate_up_proj", (128, 5760, 2880))])]
+    (g,) = [x for x in group_layouts(groups, "megatron", 128, ep=8) if x.expert]
+    numel = 16 * 5760 * 2880
+    row = 2880
+    assert g.segment == -(-numel // (128 * row)) * row  # ceil to a whole row per rank
+    assert g.segment * 128 < 1.01 * numel  # the fused reading gave 128 x 5760 x 2880 = 8 x numel
