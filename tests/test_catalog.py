@@ -10,7 +10,8 @@ from ragged_fsdp.planner import Granularity
 
 @pytest.mark.parametrize("model, billions", [
     ("llama3-8b", 8.03), ("llama3-70b", 70.6), ("llama3-405b", 405.9), ("gpt-oss-20b", 20.9),
-    ("gpt-oss-120b", 116.8), ("deepseek-v3", 671.0), ("qwen3-30b-a3b", 30.5),
+    ("gpt-oss-120b", 116.8), ("deepseek-v3", 671.0), ("qwen3-30b-a3b", 30.5), ("qwen3-235b-a22b", 235.1),
+    ("llama4-maverick", 400.7),
 ])
 def test_parameter_counts(model, billions):
     m = get_model(model)
@@ -23,7 +24,8 @@ def test_parameter_counts(model, billions):
 def test_ids_and_variants():
     base = list_models()
     assert base == ["llama3-8b", "llama3-70b", "llama3-405b", "gpt-oss-20b", "gpt-oss-120b",
-                    "deepseek-v3", "kimi-k2", "qwen3-30b-a3b"]
+                    "deepseek-v3", "kimi-k2", "qwen3-30b-a3b", "qwen3-235b-a22b", "llama4-scout",
+                    "llama4-maverick"]
     allv = list_models(include_variants=True)
     assert {"gpt-oss-20b:separate", "gpt-oss-120b:separate", "deepseek-v3:fused", "qwen3-30b-a3b:fused"} <= set(allv)
     assert get_model("gpt-oss-120b", variant="separate").id == "gpt-oss-120b:separate"

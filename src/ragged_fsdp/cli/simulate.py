@@ -4,7 +4,8 @@ ragged_fsdp, FSDP2, FSDP1, DeepSpeed ZeRO-3 and Megatron-FSDP, from shapes only.
     python -m ragged_fsdp simulate --model gpt-oss-120b --gpus 1024 --gpu h100 \\
         --optimizer adamw --dtype bf16 --seq 4096 --micro-batch 1 --act-ckpt full \\
         [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | pp=8,tp=8,dp=16 | cp=4,dp=256 | auto] \\
-        [--compile] [--float8 tensorwise|rowwise [--float8-allgather]] [--async-tp] \\
+        [--compile] [--float8 tensorwise|rowwise|mxfp8|nvfp4 [--float8-allgather]] [--async-tp] \\
+        [--moe-dispatcher standard|deepep] [--moe-imbalance 1.1] \\
         [--pp-schedule 1f1b|interleaved_1f1b|zero_bubble] [--microbatches M] \\
         [--grad-wire bf16|int8|fp8 [--grad-wire-ef]] \\
         [--frameworks ragged,fsdp2,fsdp1,deepspeed,megatron] [--sweep gpus=64..16384] \\
@@ -15,7 +16,7 @@ Layouts come from the real planner; each framework differs only where it really 
 (layout and padding, copies, buffer lifetimes, collective granularity), and the output names
 each difference and, for every framework, where it differs from ragged_fsdp by cause.
 hsdp=RxS means R replicas of S-rank shard groups. --model also takes a Hugging Face
-config.json (Llama, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2). The cost models and
+config.json (Llama, Llama 4, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2). The cost models and
 their fitted constants: docs/simulate.md.
 """
 
@@ -27,7 +28,8 @@ import sys
 
 from ..models.catalog import list_models
 from ..sim.mesh import Mesh, parse_mesh
-from ..sim.options import AC_MODES, FLOAT8_RECIPES, GRAD_WIRES, MAX_GPUS, PP_SCHEDULES, Recipe, check_finite
+from ..sim.options import (AC_MODES, FLOAT8_RECIPES, GRAD_WIRES, MAX_GPUS, MOE_DISPATCHERS, PP_SCHEDULES, Recipe,
+                           check_finite)
 from ..sim.profiles import PROFILES, get_profile
 from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
@@ -69,7 +71,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="torch.compile the blocks and the loss (fused elementwise kernels; compiled cross-entropy)")
     p.add_argument("--eager-loss", action="store_true",
                    help="with --compile, keep the loss eager (torchtitan before 2025 compiled the blocks only)")
-    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES, help="torchao float8 linears in the blocks")
+    p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
+                   help="torchao low-precision linears in the blocks: float8 tensorwise / rowwise, or MXFP8 / NVFP4 "
+                        "(block-scaled; Blackwell only: --gpu b200 / gb200)")
+    p.add_argument("--moe-dispatcher", default="standard", choices=MOE_DISPATCHERS,
+                   help="MoE with EP: torchtitan's default all-to-all (standard) or DeepEP's kernels")
+    p.add_argument("--moe-imbalance", type=float, default=None,
+                   help="MoE routing imbalance, tokens on the most loaded EP rank / mean (>= 1; default 1.1, "
+                        "an assumption; 1.0 = forced balance as in torchtitan's benchmarks)")
     p.add_argument("--float8-allgather", action="store_true",
                    help="all-gather the float8 linears' weights in 1 byte (FSDP2: torchao float8; ragged_fsdp: "
                         "its BlockFP8, 1 byte + an fp32 scale per 128x128 tile)")
@@ -162,7 +171,8 @@ def run(args) -> int:
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
                         grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual,
-                        grad_wire_block=args.grad_wire_block)
+                        grad_wire_block=args.grad_wire_block, moe_dispatcher=args.moe_dispatcher,
+                        moe_imbalance=args.moe_imbalance)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}
@@ -235,6 +245,11 @@ def run(args) -> int:
             print(f"    vs ragged: step {t or 'same'}; memory {m or 'same'}")
         if r.framework in why:
             print(f"    mesh auto: {why[r.framework]}")
+    if results and results[0].uncertainty:
+        u = results[0].uncertainty  # the same terms for every framework
+        print()
+        print("what the prediction rests on: " + "; ".join(f"{k}: {v}" for k, v in u["terms"].items()))
+        print(f"validated error band: {u['validated_error_band']}")
     print()
     print(format_host({r.framework: {**r.host["startup"], **{k: v for k, v in r.host["checkpoint"].items()
                                                              if k != "startup_cpu_s"}} for r in results}))

@@ -118,10 +118,23 @@ MODEL_CONFIGS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(family="qwen3-moe", vocab=151936, hidden=2048, layers=48, heads=32,
                           kv_heads=4, head_dim=128, experts=128, experts_per_token=8,
                           moe_intermediate=768),
+    # Qwen/Qwen3-235B-A22B config.json
+    "qwen3-235b-a22b": dict(family="qwen3-moe", vocab=151936, hidden=4096, layers=94, heads=64,
+                            kv_heads=4, head_dim=128, experts=128, experts_per_token=8,
+                            moe_intermediate=1536),
+    # meta-llama/Llama-4-Scout-17B-16E and -Maverick-17B-128E config.json (text_config): one
+    # routed expert per token plus a shared expert of the same size; Maverick alternates
+    # dense (intermediate_size_mlp) and MoE layers (interleave_moe_layer_step 2)
+    "llama4-scout": dict(family="llama4", vocab=202048, hidden=5120, layers=48, heads=40, kv_heads=8,
+                         head_dim=128, intermediate=8192, dense_intermediate=16384, experts=16,
+                         experts_per_token=1, moe_step=1),
+    "llama4-maverick": dict(family="llama4", vocab=202048, hidden=5120, layers=48, heads=40, kv_heads=8,
+                            head_dim=128, intermediate=8192, dense_intermediate=16384, experts=128,
+                            experts_per_token=1, moe_step=2),
 }
 
 _VARIANTS = {"gpt-oss": ("fused", "separate"), "deepseek": ("separate", "fused"),
-             "qwen3-moe": ("separate", "fused"), "mixtral": ("separate", "fused")}
+             "qwen3-moe": ("separate", "fused"), "mixtral": ("separate", "fused"), "llama4": ("fused", "separate")}
 # first = the reference layout (default)
 
 
@@ -306,7 +319,31 @@ def _mixtral_layer(c: dict, i: int, variant):
     return out
 
 
-_LAYERS: dict[str, Callable] = {"llama": _llama_layer, "gpt-oss": _gpt_oss_layer,
+def llama4_is_moe(c: dict, i: int) -> bool:
+    """Hugging Face's Llama 4 rule: layers step-1, 2*step-1, ... are MoE."""
+    return i % c["moe_step"] == c["moe_step"] - 1
+
+
+def _llama4_layer(c: dict, i: int, variant):
+    p, h, q, kv = f"model.layers.{i}.", c["hidden"], c["heads"] * c["head_dim"], c["kv_heads"] * c["head_dim"]
+    a, f = p + "self_attn.", p + "feed_forward."
+    out = [_col(a + "q_proj.weight", (q, h), "heads"), _col(a + "k_proj.weight", (kv, h), "kv_heads"),
+           _col(a + "v_proj.weight", (kv, h), "kv_heads"), _row(a + "o_proj.weight", (h, q), "heads")]
+    if llama4_is_moe(c, i):
+        E, inter = c["experts"], c["intermediate"]
+        out.append(Tensor(f + "router.weight", (E, h)))
+        if variant == "fused":
+            out += [_expert(f + "experts.gate_up_proj", (E, h, 2 * inter)), _expert(f + "experts.down_proj", (E, inter, h))]
+        else:
+            out += _experts(f + "experts.", E, inter, h, variant)
+        out += _mlp(f + "shared_expert.", inter, h, "intermediate")
+    else:
+        out += _mlp(f, c["dense_intermediate"], h, "dense_intermediate")
+    out += [Tensor(p + "input_layernorm.weight", (h,)), Tensor(p + "post_attention_layernorm.weight", (h,))]
+    return out
+
+
+_LAYERS: dict[str, Callable] = {"llama4": _llama4_layer, "llama": _llama_layer, "gpt-oss": _gpt_oss_layer,
                                 "deepseek": _deepseek_layer, "qwen3-moe": _qwen3_moe_layer,
                                 "mixtral": _mixtral_layer}
 

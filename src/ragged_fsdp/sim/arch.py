@@ -115,6 +115,10 @@ def arch_from_shapes(m: ModelShapes) -> Arch:
         return Arch(**common, qk_dim=c["head_dim"], v_dim=c["head_dim"], kv_dim=kv, inter=0,
                     moe_inter=c["intermediate"], experts=c["experts"], top_k=c["experts_per_token"],
                     moe_layers=c["layers"])
+    if fam == "llama4":
+        return Arch(**common, qk_dim=c["head_dim"], v_dim=c["head_dim"], kv_dim=kv, inter=c["dense_intermediate"],
+                    moe_inter=c["intermediate"], experts=c["experts"], top_k=c["experts_per_token"],
+                    shared_inter=c["intermediate"], moe_layers=c["layers"] // c["moe_step"])
     if fam == "qwen3-moe":
         return Arch(**common, qk_dim=c["head_dim"], v_dim=c["head_dim"], kv_dim=kv, inter=0,
                     moe_inter=c["moe_intermediate"], experts=c["experts"], top_k=c["experts_per_token"],

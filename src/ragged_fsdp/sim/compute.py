@@ -8,7 +8,8 @@ Three kinds of work, each with its own cost model:
   ``K x N`` the weight after TP (column-parallel q/k/v, gate/up and the head split ``N``,
   row-parallel o/down split ``K``, as :func:`.layout.split_for_mesh`). Each GEMM costs the
   roofline ``max(2 M N K / rate, bytes / mem_bw)`` (Williams et al., 2009), where ``rate =
-  peak x EFFICIENCY`` (x ``FLOAT8_SPEEDUP`` for float8 linears) and ``bytes`` are its two
+  peak x EFFICIENCY x shape_factor(M, N, K)`` (:mod:`.gemm`; x ``FLOAT8_SPEEDUP`` for
+  float8 / MXFP8 / NVFP4 linears) and ``bytes`` are its two
   inputs and its output in their dtypes (float8 inputs 1 byte, outputs bf16). So a skinny
   GEMM (Llama 3 8B's k/v projections under TP 8: ``N = 128``, arithmetic intensity ~124
   flop/byte against a ridge of several hundred on H100) is memory-bound, and a large one runs
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from .arch import Arch
 from . import fitted
 from .options import Recipe
+from .gemm import saturation, shape_factor
 from .profiles import GPUProfile
 
-__all__ = ["GroupFlops", "Linear", "group_flops", "op_sac", "compute_times", "is_fp8_linear", "is_rowwise",
+__all__ = ["GroupFlops", "Linear", "group_flops", "attention_rate", "low_precision_speedup", "op_sac", "compute_times", "is_fp8_linear", "is_rowwise",
            "ELEMENTWISE_EAGER", "ELEMENTWISE_COMPILED", "linear_times", "op_sac_split",
            "tp_feed"]
 
@@ -143,10 +145,16 @@ def op_sac_split(tensors, top_k_frac: float) -> tuple[float, float]:
     return col, row
 
 
-def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int, tp: int = 1) -> GroupFlops:
+def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int, tp: int = 1, ep: int = 1,
+                imbalance: float = 1.0) -> GroupFlops:
     """Forward flops of one group for ``tokens`` tokens on this rank (full tensors, before TP),
-    and the per-rank GEMM shapes and elementwise sizes under ``tp``-way TP."""
+    and the per-rank GEMM shapes and elementwise sizes under ``tp``-way TP.
+
+    Routed experts under ``ep``-way EP: the group holds ``E / ep`` experts and each receives
+    the routed copies of all ``ep`` ranks' tokens, ``tokens x top_k x ep / E`` on average,
+    times ``imbalance`` on the most loaded rank (the one the step waits for)."""
     frac = arch.top_k / arch.experts if arch.experts else 1.0
+    gain = ep * imbalance if ep > 1 else 1.0  # routed tokens per local expert over the EP-free share
     fp8 = other = 0.0
     linears, k_mm = [], 0
     swiglu = 0.0
@@ -154,7 +162,7 @@ def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int
         if len(s) < 2 or "embed" in n:
             continue
         routed = _is_routed(n)
-        el = math.prod(s) * (frac if routed else 1.0)
+        el = math.prod(s) * (frac * gain if routed else 1.0)
         is8 = is_fp8_linear(n, s)
         if is8:
             fp8 += 2.0 * el * tokens
@@ -169,7 +177,7 @@ def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int
         split_ok = tp > 1 and "router" not in n and "mlp.gate.weight" not in n
         kk = in_d / tp if (split_ok and row) else in_d
         nn = out_d / tp if (split_ok and not row) else out_d
-        m = tokens * frac if routed else tokens  # an expert sees its share of the tokens
+        m = tokens * frac * gain if routed else tokens  # an expert sees its share of the tokens
         linears.append(Linear(n, m, kk, nn, count, is8, k_mm % 2 == 0, row))
         if row and ("down" in n or ".w2." in n):
             swiglu += m * kk * count  # SwiGLU runs on the down projection's input
@@ -204,6 +212,12 @@ def _fp8_cast_bytes(lin: Linear, recipe: str, tp: int, fp8_allgather: bool) -> t
     (5 B each). Weights: cast per step unless float8 all-gather casts the shard before it.
     """
     mk, mn, kn = lin.m * lin.k * lin.count, lin.m * lin.n * lin.count, lin.k * lin.n * lin.count
+    if recipe in ("mxfp8", "nvfp4"):
+        # block scales (1 x 32 / 1 x 16): the amax fuses into the cast (read 2, write <= 1 +
+        # the scales, ~3 B); forward casts input and weight along K, backward the output
+        # gradient along N (input gradient) and output gradient and input along M (weight
+        # gradient), and the weight along N
+        return 3 * mk + 3 * kn, 3 * mn + 3 * kn + 3 * mn + 3 * mk
     if recipe == "tensorwise":
         x = mk / tp if (tp > 1 and not lin.rowwise) else mk
         w = 0.0 if fp8_allgather else 5 * kn
@@ -211,23 +225,45 @@ def _fp8_cast_bytes(lin: Linear, recipe: str, tp: int, fp8_allgather: bool) -> t
     return 3 * mk + 3 * kn, 3 * mn + 5 * mk + 5 * mn + 5 * kn
 
 
+def low_precision_speedup(recipe: str) -> float:
+    """The GEMM rate of a low-precision recipe over bf16's: fitted for tensorwise, rowwise and
+    MXFP8 (:mod:`.fitted`); NVFP4 is MXFP8's times the data sheet's FP4 / FP8 dense ratio on
+    Blackwell (B200: 9 / 4.5 PFLOP/s), not calibrated (no published NVFP4 training point)."""
+    if recipe == "nvfp4":
+        return fitted.FLOAT8_SPEEDUP["mxfp8"] * NVFP4_OVER_MXFP8
+    return fitted.FLOAT8_SPEEDUP[recipe]
+
+
+NVFP4_OVER_MXFP8 = 2.0
+
+
+def attention_rate(prof: GPUProfile, seq: int, cp: int = 1, fp32: bool = False) -> float:
+    """Flash attention's flop/s: the GEMMs' large-shape rate x ``ATTENTION_RATE`` (fitted) x
+    the saturation of the query chunk a rank holds (``seq / cp`` tokens, :mod:`.gemm`)."""
+    peak = (prof.fp32_flops or prof.flops) if fp32 and prof.fp32_flops else prof.flops
+    return peak * prof.efficiency * fitted.ATTENTION_RATE * saturation(seq / max(1, cp))
+
+
 def linear_times(lin: Linear, prof: GPUProfile, recipe: Recipe, fp32: bool = False) -> tuple[float, float, float]:
-    """(forward, input-gradient, weight-gradient) GEMM seconds of one linear on one rank."""
+    """(forward, input-gradient, weight-gradient) GEMM seconds of one linear on one rank;
+    each GEMM at the rate of its own shape (:func:`.gemm.shape_factor`)."""
     rate = ((prof.fp32_flops or prof.flops) if fp32 and prof.fp32_flops else prof.flops) * prof.efficiency
     bw, cb = prof.mem_bw, 4 if fp32 else 2
     f8 = bool(recipe.float8) and lin.fp8
-    r = rate * (fitted.FLOAT8_SPEEDUP[recipe.float8] if f8 else 1.0)
-    a = 1 if f8 else cb
+    r = rate * (low_precision_speedup(recipe.float8) if f8 else 1.0)
+    a = (0.5 if recipe.float8 == "nvfp4" else 1) if f8 else cb
     m, k, n, c, fl = lin.m, lin.k, lin.n, lin.count, lin.flops
-    return (_gemm(fl, c * (m * k * a + k * n * a + m * n * cb), r, bw),
-            _gemm(fl, c * (m * n * a + k * n * a + m * k * cb), r, bw),
-            _gemm(fl, c * (m * k * a + m * n * a + k * n * cb), r, bw))
+    return (_gemm(fl, c * (m * k * a + k * n * a + m * n * cb), r * shape_factor(m, n, k), bw),
+            _gemm(fl, c * (m * n * a + k * n * a + m * k * cb), r * shape_factor(m, k, n), bw),
+            _gemm(fl, c * (m * k * a + m * n * a + k * n * cb), r * shape_factor(k, n, m), bw))
 
 
 def compute_times(gf: GroupFlops, prof: GPUProfile, recipe: Recipe, act_ckpt: str, tp: int,
-                  fp32: bool = False) -> tuple[float, float]:
-    """(forward seconds, backward seconds incl. recomputation) of one group on one rank."""
-    rate = ((prof.fp32_flops or prof.flops) if fp32 and prof.fp32_flops else prof.flops) * prof.efficiency
+                  fp32: bool = False, seq: int = 0, cp: int = 1, extra_f: float = 0.0,
+                  extra_b: float = 0.0) -> tuple[float, float]:
+    """(forward seconds, backward seconds incl. recomputation) of one group on one rank.
+    ``extra_f`` / ``extra_b``: memory-bound seconds of other work in the group (a MoE
+    layer's permutation and router, :mod:`.moe`), recomputed with the forward under AC."""
     bw = prof.mem_bw
     cb = 4 if fp32 else 2
     mm_f = mm_b = mm_rerun = cast_f = cast_b = cast_rerun = 0.0
@@ -245,15 +281,15 @@ def compute_times(gf: GroupFlops, prof: GPUProfile, recipe: Recipe, act_ckpt: st
     table = ELEMENTWISE_EAGER
     ew_bytes = sum(table[kind] * elems for kind, elems in gf.ew_fwd.items()) * cb / 2
     ew_f = ew_bytes / bw / (fitted.COMPILE_SPEEDUP if recipe.compile else 1.0)
-    att = gf.attention / tp / (rate * fitted.ATTENTION_RATE)
-    fwd = mm_f + cast_f + ew_f + att
-    bwd = mm_b + cast_b + BACKWARD_ELEMENTWISE * ew_f + 2.5 * att
+    att = gf.attention / tp / attention_rate(prof, seq, cp, fp32) if gf.attention else 0.0
+    fwd = mm_f + cast_f + ew_f + att + extra_f
+    bwd = mm_b + cast_b + BACKWARD_ELEMENTWISE * ew_f + 2.5 * att + extra_b
     if act_ckpt == "full":
         bwd += fwd
     elif act_ckpt == "selective":
         bwd += 0.5 * fwd
     elif act_ckpt == "op":
-        bwd += mm_rerun + cast_rerun + ew_f
+        bwd += mm_rerun + cast_rerun + ew_f + extra_f
     return fwd, bwd
 
 

@@ -7,8 +7,13 @@ What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, 
   compute roof of each GEMM's roofline; memory-bound GEMMs and the elementwise work are
   costed separately at ``mem_bw``). H100: torchtitan Llama 3.1 8B on 8 Grand Teton H100
   (peak taken as 912 TFLOP/s, see :mod:`.profiles`), FSDP, per-op SAC (5,762 tok/s); A100:
-  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s). H200 and B200 borrow
-  H100's (a 700 W H200 may run its GEMMs faster than the 500 W part it was fitted on).
+  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s); B200: torchtitan
+  mxfp8.md, Llama 3 8B on 8 power-limited B200, bf16 (8,307.5 tok/s). H200 and MI300X borrow
+  H100's, GB200 B200's. Large GEMMs only: smaller shapes lose to :mod:`.gemm`'s saturation.
+- ``FLOAT8_SPEEDUP["mxfp8"]``: the same B200 table's ``mxfp8_cublas`` row (9,969 tok/s).
+- ``A2A_EFFICIENCY["standard"]``: torchtitan's default EP all-to-all, achieved over link
+  bandwidth (:mod:`.moe`), on the DeepEP README's default-EP figure (Qwen3-30B-A3B, 8 B200,
+  EP 8, 9,930 tok/s).
 - ``COMPILE_SPEEDUP``: how many times fewer elementwise bytes the blocks move under
   ``torch.compile`` (fused kernels); fitted on the same 8-GPU table's "FSDP +
   torch.compile" row (6,667 tok/s). The kernel-by-kernel count in
@@ -28,12 +33,13 @@ What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, 
 
 from __future__ import annotations
 
-__all__ = ["EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
+__all__ = ["A2A_EFFICIENCY", "EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
 
-EFFICIENCY = {"h100": 0.5231, "a100": 0.7378}
+EFFICIENCY = {"h100": 0.5391, "a100": 0.7626, "b200": 0.2613}
+A2A_EFFICIENCY = {"standard": 0.3918}
 COMPILE_SPEEDUP = 3.6854
-FLOAT8_SPEEDUP = {"tensorwise": 1.7695, "rowwise": 1.3386}
-ATTENTION_RATE = 0.5004
+FLOAT8_SPEEDUP = {"tensorwise": 1.7724, "rowwise": 1.3528, "mxfp8": 1.3877}
+ATTENTION_RATE = 0.4851
 ALLOCATOR_RESERVE = 0.2121
 
 # constant -> id of the point in published_points.json it is fitted on (in fit order)
@@ -45,4 +51,8 @@ FIT_POINTS = {
     "attention_rate": "tt-2412-t2-cp1",
     "float8_speedup:rowwise": "tt-atp-70b-rowwise-vanilla",
     "allocator_reserve": "tt-2412-t1-fsdp",  # on its memory (GiB), the only constant fitted on memory
+    # issue 45 (Blackwell, MXFP8, MoE with EP)
+    "efficiency:b200": "tt-mx-b200-8b-bf16",
+    "float8_speedup:mxfp8": "tt-mx-b200-8b-mxfp8-cublas",
+    "a2a_efficiency:standard": "tt-deepep-qwen3-default-8",
 }

@@ -1,7 +1,7 @@
 """Translate a Hugging Face ``config.json`` into the catalog's config form.
 
-Families: Llama (and Mistral), Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3 (and Kimi-K2, which
-ships the DeepSeek-V3 architecture). The field names are those of the ``transformers``
+Families: Llama (and Mistral), Llama 4 (Scout, Maverick), Mixtral, Qwen3-MoE, GPT-OSS,
+DeepSeek-V3 (and Kimi-K2, which ships the DeepSeek-V3 architecture). The field names are those of the ``transformers``
 config classes of these models.
 """
 
@@ -52,6 +52,11 @@ def hf_to_catalog(c: dict) -> dict:
         return dict(base, family="gpt-oss", intermediate=_get(c, "intermediate_size"), kv_heads=kv,
                     head_dim=head_dim, experts=_get(c, "num_local_experts", "num_experts"),
                     experts_per_token=_get(c, "num_experts_per_tok", "experts_per_token"))
+    if mt in ("llama4", "llama4_text") or "llama4" in archs:
+        return dict(base, family="llama4", kv_heads=kv, head_dim=head_dim, intermediate=_get(c, "intermediate_size"),
+                    dense_intermediate=_get(c, "intermediate_size_mlp"), experts=_get(c, "num_local_experts"),
+                    experts_per_token=_get(c, "num_experts_per_tok"),
+                    moe_step=_get(c, "interleave_moe_layer_step", default=1))
     if mt == "qwen3_moe" or "qwen3moe" in archs:
         return dict(base, family="qwen3-moe", kv_heads=kv, head_dim=head_dim, experts=_get(c, "num_experts"),
                     experts_per_token=_get(c, "num_experts_per_tok"),
@@ -62,7 +67,7 @@ def hf_to_catalog(c: dict) -> dict:
     if mt in ("llama", "mistral") or "llama" in archs or "mistral" in archs:
         return dict(base, family="llama", kv_heads=kv, head_dim=head_dim, intermediate=_get(c, "intermediate_size"))
     raise ValueError(f"config.json model_type {mt!r} is not supported; supported families: Llama/Mistral, "
-                     "Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2")
+                     "Llama 4, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2")
 
 
 def load_hf_config(path: str | Path, variant: str | None = None) -> ModelShapes:

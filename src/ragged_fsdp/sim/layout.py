@@ -150,6 +150,15 @@ def group_layouts(groups, framework: str, dp: int, tp: int = 1, ep: int = 1, ite
             if framework == "deepspeed":  # small tensors stay whole on every rank
                 persistent = sum(s.numel for s in specs if s.numel <= persistence_threshold)
                 sharded = [s for s in specs if s.numel > persistence_threshold]
+            if framework == "megatron":
+                # Megatron-Core's experts (TEGroupedMLP: TE GroupedLinear's weight0..weightN)
+                # are one 2-D weight per local expert, not a fused (E, out, in) tensor; the
+                # chunk factor Megatron-FSDP pads a bucket to is the LCM of the weights'
+                # shape[1:] sizes (megatron_fsdp/param_and_grad_buffer.py, "Step 3"), so a
+                # fused tensor would make it a whole expert matrix
+                sharded = [x for s in sharded for x in (
+                    [TensorSpec(f"{s.name}.{i}", tuple(s.shape[1:]), s.itemsize, s.granularity)
+                     for i in range(s.shape[0])] if len(s.shape) == 3 else [s])]
             if framework == "fsdp2":  # torchtitan shards 3-D experts on dim 1 when dim 0 < W
                 sharded = [TensorSpec(s.name, (s.shape[1], s.shape[0], *s.shape[2:]), s.itemsize, s.granularity)
                            if len(s.shape) == 3 and s.shape[0] < world else s for s in sharded]

@@ -37,10 +37,14 @@ from dataclasses import dataclass
 
 __all__ = ["Recipe", "AC_MODES", "FLOAT8_RECIPES", "PP_SCHEDULES", "MAX_GPUS", "check_finite", "GRAD_WIRES",
            "WIRE_BYTES", "WIRE_BLOCK", "WIRE_LOCAL_BYTES", "RESIDUAL_BYTES", "DEFAULT_RESIDUAL",
-           "feedback_bytes", "wire_bytes_per_element", "residual_bytes_per_element"]
+           "feedback_bytes", "wire_bytes_per_element", "residual_bytes_per_element", "BLACKWELL_RECIPES",
+           "MOE_DISPATCHERS"]
 
 AC_MODES = ("none", "selective", "op", "full")
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_RECIPES = ("tensorwise", "rowwise", "mxfp8", "nvfp4")
+# block-scaled recipes need Blackwell tensor cores (torchao: SM100+)
+BLACKWELL_RECIPES = ("mxfp8", "nvfp4")
+MOE_DISPATCHERS = ("standard", "deepep")
 PP_SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")
 GRAD_WIRES = ("bf16", "int8", "fp8")
 # quant/grad_wire.py's DEFAULT_BLOCK (GradientReduce.block_size's default): blocks of 128
@@ -115,6 +119,10 @@ class Recipe:
     grad_wire_ef: bool = False  # with grad_wire: error feedback
     grad_wire_residual: str | None = None  # with grad_wire_ef: the residual's storage (None: the engine's default)
     grad_wire_block: int | None = None  # with an int8 / fp8 grad_wire: elements per scale block (None: WIRE_BLOCK)
+    # MoE with EP (sim/moe.py): the token dispatcher, and the routing imbalance (most loaded
+    # EP rank / mean; None: moe.DEFAULT_IMBALANCE)
+    moe_dispatcher: str = "standard"
+    moe_imbalance: float | None = None
 
     @property
     def residual_storage(self) -> str | None:
@@ -146,6 +154,13 @@ class Recipe:
                                  "--grad-wire-residual bf16 (or fp32)")
         if self.float8 is not None and self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"--float8 {self.float8!r}: choose one of {', '.join(FLOAT8_RECIPES)}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"--moe-dispatcher {self.moe_dispatcher!r}: choose one of {', '.join(MOE_DISPATCHERS)}")
+        if self.moe_imbalance is not None:
+            check_finite("--moe-imbalance", self.moe_imbalance, 1.0, 64.0, lo_open=False)
+        if self.float8_allgather and self.float8 in BLACKWELL_RECIPES:
+            raise ValueError(f"--float8-allgather: torchao's float8 all-gather supports the tensorwise recipe only; "
+                             f"{self.float8} communicates in bf16. Drop --float8-allgather")
         if self.float8_allgather and self.float8 is None:
             raise ValueError("--float8-allgather needs --float8 tensorwise (the weights it gathers are float8)")
         if self.float8_allgather and self.float8 == "rowwise":

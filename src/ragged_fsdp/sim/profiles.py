@@ -73,10 +73,10 @@ class GPUProfile:
 
 # efficiency: fitted on one published torchtitan FSDP2 point per GPU (sim/fitted.py): H100
 # on Llama 3.1 8B (8 GPUs), A100 on Llama 3 8B (64 GPUs). H200 shares H100's compute;
-# B200 has no published point here, so it borrows H100's factor (unvalidated).
+# B200 (and GB200) on torchtitan's Llama 3 8B bf16 point on 8 B200.
 from .fitted import ALLOCATOR_RESERVE, EFFICIENCY
 
-EFF_H100, EFF_A100 = EFFICIENCY["h100"], EFFICIENCY["a100"]
+EFF_H100, EFF_A100, EFF_B200 = EFFICIENCY["h100"], EFFICIENCY["a100"], EFFICIENCY["b200"]
 _R = {"alloc_reserve": ALLOCATOR_RESERVE}
 
 # the Grand Teton H100's dense bf16 peak: torchtitan's benchmark file (footnote 2) says it
@@ -90,7 +90,15 @@ PROFILES: dict[str, GPUProfile] = {
     "h100-gt": GPUProfile("h100-gt", 96 * GB, H100_GT_PEAK, 2.4e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
     "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
     "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100, **_R),
-    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_B200, **_R),
+    # GB200 NVL72: the same Blackwell GPU at a higher power limit (2.5 PFLOP/s dense bf16,
+    # 186 GB HBM3e at 8 TB/s), NVLink 5 across the whole 72-GPU rack (900 GB/s each way per
+    # GPU), 400 Gb/s per GPU beyond the rack; compute efficiency borrowed from B200's fit
+    "gb200": GPUProfile("gb200", 186 * GB, 2500e12, 8.0e12, 900 * GB, 50 * GB, 72, efficiency=EFF_B200, **_R),
+    # MI300X: 1,307 TFLOP/s dense bf16, 192 GB HBM3 at 5.3 TB/s, Infinity Fabric to the 7
+    # other GPUs of the node (7 x 64 GB/s each way), 400 Gb/s per GPU; no published training
+    # point was found to fit on, so it borrows H100's efficiency (unvalidated)
+    "mi300x": GPUProfile("mi300x", 192 * GB, 1307e12, 5.3e12, 448 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
 }
 
 

@@ -15,18 +15,20 @@ from .arch import Arch, resolve_model
 from .breakdown import breakdown
 from .buffers import DIFFERENCES
 from .activations import saved_bytes_per_token
-from .compute import compute_times, group_flops, is_fp8_linear, tp_feed
+from .compute import _is_routed, attention_rate, compute_times, group_flops, is_fp8_linear, tp_feed
+from .moe import DEFAULT_IMBALANCE, a2a_calls, deepep_buffer_bytes, moe_layer_cost
 from .context import ring_exposed
 from .host import host_costs
 from .layout import GroupLayout, group_layouts, split_for_mesh
 from .memory import MemoryInputs, step_memory
 from .mesh import Mesh, candidate_meshes
-from .options import (AC_MODES, MAX_GPUS, WIRE_LOCAL_BYTES, Recipe, feedback_bytes, residual_bytes_per_element,
+from .options import (AC_MODES, BLACKWELL_RECIPES, MAX_GPUS, WIRE_LOCAL_BYTES, Recipe, feedback_bytes, residual_bytes_per_element,
                       wire_bytes_per_element)
 from .pipeline import bubble, in_flight, stage_layers
 from .profiles import GPUProfile
 from .tensor_parallel import tp_block_comm
 from .timing import TimeInputs, newton_schulz_flops, step_time
+from .uncertainty import uncertainty
 
 __all__ = ["Scenario", "FrameworkResult", "simulate", "simulate_auto", "FRAMEWORKS", "VALIDATED",
            "DEFAULT_GRANULARITY"]
@@ -41,6 +43,8 @@ VALIDATED = {"ragged": "validated", "fsdp2": "validated", "fsdp1": "unvalidated"
 # (--granularity matrix) removes that traffic but forces S >= the largest matrix, which at
 # large W costs more padding than it saves.
 DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": None}
+# built-in profiles without MXFP8 / NVFP4 tensor cores (custom JSON profiles are trusted)
+NO_BLOCK_SCALED = {"h100", "h100-gt", "h200", "a100", "mi300x"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # torchao BlockFP8-style all-gather of ragged_fsdp: 1-byte codes + one fp32 scale per 128x128 tile
 BLOCK_FP8_BYTES = 1 + 4 / (128 * 128)
@@ -99,6 +103,9 @@ class FrameworkResult:
     # the shard dim's gradient reduction: format, bytes one rank sends per step, seconds of
     # the wire format's local work (quantise, error feedback, dequantise + fp32 sum)
     grad_reduce: dict = field(default_factory=dict)
+    # what the prediction rests on: each term calibrated (on which point), cited or assumed,
+    # and the validation's error band for runs of this kind (sim/uncertainty.py)
+    uncertainty: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -161,6 +168,9 @@ def check_scenario(sc: Scenario, arch: Arch) -> None:
     if sc.mesh.tp > 1 and arch.heads % sc.mesh.tp:
         raise ValueError(f"--mesh tp={sc.mesh.tp}: {arch.name} has {arch.heads} heads, not divisible by tp")
     sc.recipe.check(sc.mesh.tp, sc.mesh.pp, sc.micro_batch)
+    if sc.recipe.float8 in BLACKWELL_RECIPES and sc.profile.name in NO_BLOCK_SCALED:
+        raise ValueError(f"--float8 {sc.recipe.float8}: block-scaled GEMMs need Blackwell tensor cores; --gpu "
+                         f"{sc.profile.name} has none. Use --gpu b200 / gb200, or --float8 tensorwise / rowwise")
     if sc.mesh.pp > 1:
         stage_layers(arch.layers, sc.mesh.pp)
 
@@ -181,10 +191,20 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     work = tp_exp = tp_tot = cp_exp = cp_tot = 0.0
     layer_idx = first_layer
     fp8_gather = 1.0 if fw == "fsdp2" else BLOCK_FP8_BYTES if fw == "ragged" else None
+    imb = rc.moe_imbalance if rc.moe_imbalance is not None else DEFAULT_IMBALANCE
+    moe_layers_here = 0
+    mc = moe_layer_cost(prof, tokens, arch.top_k, arch.experts, arch.hidden, cb, mesh.ep, rc.moe_dispatcher, imb) \
+        if arch.experts else None
     for (name, tensors, is_exp), g in zip(split, L):
         is_layer = name.startswith("layers")
-        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp, mesh.tp)
-        f, b = compute_times(gf, prof, rc, sc.act_ckpt if is_layer else "none", mesh.tp, fp32=(cb == 4))
+        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp, mesh.tp, mesh.ep, imb)
+        # the MoE layer's permutation and router run with its routed experts (one group per
+        # layer: the experts' own group under EP, else the layer)
+        routed = mc is not None and is_layer and any(_is_routed(n) for n, _ in tensors)
+        moe_layers_here += routed
+        f, b = compute_times(gf, prof, rc, sc.act_ckpt if is_layer else "none", mesh.tp, fp32=(cb == 4), seq=sc.seq,
+                             cp=mesh.cp, extra_f=mc.permute_f if routed else 0.0,
+                             extra_b=mc.permute_b if routed else 0.0)
         comp_f.append(f)
         comp_b.append(b)
         frac = _fp8_fraction(tensors) if rc.float8_allgather and fp8_gather else 0.0
@@ -197,11 +217,11 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
                      * tokens)
         work = max(work, saved_bytes_per_token(arch, tensors, moe, "none", layer_idx, cb, mesh.tp, rc.compile)
                    * tokens)
-        mm_f = f - gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
+        att_f = gf.attention / mesh.tp / attention_rate(prof, sc.seq, mesh.cp, cb == 4) if gf.attention else 0.0
+        mm_f = f - att_f
         e, t = tp_block_comm(prof, mesh.tp, 1, tokens, arch.hidden, cb, 1.0 if rc.float8 == "tensorwise" else cb,
                              sc.act_ckpt, rc.async_tp, mm_f, tp_feed(gf, prof, rc, fp32=(cb == 4)))
         tp_exp, tp_tot = tp_exp + e, tp_tot + t
-        att_f = gf.attention / mesh.tp / (prof.flops * prof.efficiency * ctx["attn_rate"])
         e, t = ring_exposed(prof, mesh.cp, mesh.tp, arch.kv_dim // mesh.tp if arch.kv_dim >= mesh.tp else 1,
                             tokens, cb, att_f, sc.act_ckpt == "full")
         cp_exp, cp_tot = cp_exp + e, cp_tot + t
@@ -220,9 +240,9 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
                       backend="nccl", reshard_after_forward=reshard, gather_cb=gcb, accumulate_grads=pp > 1)
     mem = step_memory(fw, mi, largest_matrix=ctx["largest"])
     opt_elems = sum(g.segment + g.persistent for g in L)
-    moe_here = sum(1 for n, _, e in split if n.startswith("layers") and not e and arch.moe_layers
-                   and int(n.split(".")[1]) >= arch.layers - arch.moe_layers)
-    ep_bytes = 4 * tokens * arch.top_k * arch.hidden * cb * moe_here if mesh.ep > 1 else 0.0
+    moe_here = moe_layers_here
+    ep_bytes = mc.a2a_bytes * a2a_calls(sc.act_ckpt) * moe_here if (mc and mesh.ep > 1) else 0.0
+    ep_s = mc.a2a_call * a2a_calls(sc.act_ckpt) * moe_here if (mc and mesh.ep > 1) else 0.0
     ns_a2a = 0.0
     if sc.optimizer == "muon" and fw == "ragged":
         # one owner per matrix, flops balanced; pieces travel to owners and back (all-to-all)
@@ -246,7 +266,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     ti = TimeInputs(layouts=L, comp_f=comp_f, comp_b=comp_b, cb=cb, rb=rb, replicate=mesh.replicate,
                     kept=kept, reshard_after_forward=reshard, opt_elems=opt_elems,
                     optimizer=sc.optimizer, ns_flops=ctx["ns_total"] / mesh.tp / pp, ns_world=ns_world,
-                    ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep,
+                    ns_gather_bytes=ns_gather, ns_a2a_bytes=ns_a2a, ep_bytes=ep_bytes, ep_world=mesh.ep, ep_s=ep_s,
                     tp_exposed=tp_exp, tp_total=tp_tot, cp_exposed=cp_exp, cp_total=cp_tot, gather_cb=gcb,
                     microbatches=m_count, bubble=bubble(rc.pp_schedule, pp, rc.pp_virtual), p2p_fill=p2p, **wkw)
     return mem, step_time(fw, prof, ti), L
@@ -303,7 +323,12 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
         # group's unsharded gradient (quant/wire_residual.py), on top of every phase's peak
         ef = _grad_reduce(fw, sc, arch, per_stage, s_mem)["feedback_bytes"]
         peak += ef * (1 + prof.alloc_reserve)
-        items = {**mem.items, **({"error-feedback residuals": ef} if ef else {})}
+        # DeepEP's communication buffer lives for the whole process, on top of every phase
+        dbuf = (deepep_buffer_bytes(arch.hidden, DTYPE_BYTES[sc.dtype], mesh.ep, prof.gpus_per_node)
+                if arch.experts and sc.recipe.moe_dispatcher == "deepep" else 0.0)
+        peak += dbuf
+        items = {**mem.items, **({"error-feedback residuals": ef} if ef else {}),
+                 **({"DeepEP buffer": dbuf} if dbuf else {})}
         L_all = [g for _, _, _, L in per_stage for g in L]
         used = sum(g.numel * g.count for g in L_all)
         held = sum((g.segment + g.persistent) * g.shard_world for g in L_all)
@@ -316,6 +341,7 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
             padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
             time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem,
             grad_reduce=_grad_reduce(fw, sc, arch, per_stage, s_time),
+            uncertainty=uncertainty(prof.name, sc.recipe, bool(arch.experts), mesh.ep),
             # measured on 1-D FSDP meshes of W ranks: the set-up is taken at the shard group's
             # size and the coordinator's planning at every rank's (it gathers all plans)
             host={"startup": host_costs(sc.model, fw, mesh.dp, n_tensors),

@@ -47,6 +47,7 @@ class TimeInputs:
     ns_a2a_bytes: float = 0.0  # Muon: bytes each rank sends to / receives from owners (all-to-all)
     ep_bytes: float = 0.0  # EP all-to-all bytes per rank per microbatch (dispatch + combine, fwd + bwd)
     ep_world: int = 1
+    ep_s: float | None = None  # EP dispatch + combine seconds per microbatch (sim/moe.py); None: from ep_bytes
     tp_exposed: float = 0.0  # seconds of TP collectives on the critical path per microbatch
     tp_total: float = 0.0
     cp_exposed: float = 0.0  # seconds of the CP ring not hidden under attention per microbatch
@@ -145,7 +146,7 @@ def step_time(framework: str, prof: GPUProfile, t: TimeInputs) -> TimeResult:
         opt = t.opt_elems * 24 / prof.mem_bw + t.ns_flops / max(1, t.ns_world) / rate
         opt += collective_time(prof, "all_gather", t.ns_gather_bytes, max(2, t.ns_world)) if t.ns_gather_bytes else 0.0
         opt += alltoall_time(prof, t.ns_a2a_bytes, t.ns_world) if t.ns_a2a_bytes else 0.0
-    ep = alltoall_time(prof, t.ep_bytes, t.ep_world)
+    ep = t.ep_s if t.ep_s is not None else alltoall_time(prof, t.ep_bytes, t.ep_world)
     per_mb = sum(comp_f) + sum(comp_b) + t.extra_compute
     compute = per_mb * t.microbatches
     bubble = (per_mb + ep + t.tp_exposed + t.cp_exposed) * t.bubble + t.p2p_fill

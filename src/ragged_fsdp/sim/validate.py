@@ -30,7 +30,8 @@ __all__ = ["load_points", "predict", "fit", "evaluate", "summary", "markdown", "
 POINTS_PATH = Path(__file__).parent / "data" / "published_points.json"
 GiB = 2**30
 # which EFFICIENCY entry a profile uses: the H100 family shares one (same compute)
-EFF_KEY = {"h100": "h100", "h100-gt": "h100", "h200": "h100", "b200": "h100", "a100": "a100"}
+EFF_KEY = {"h100": "h100", "h100-gt": "h100", "h200": "h100", "b200": "b200", "gb200": "b200", "a100": "a100",
+           "mi300x": "h100"}
 
 
 def load_points(path: Path = POINTS_PATH) -> dict:
@@ -68,13 +69,13 @@ def predict(pt: dict):
 def constants(values: dict):
     """Temporarily set the fitted constants (keys as in ``fitted.FIT_POINTS``)."""
     saved = (dict(fitted.EFFICIENCY), fitted.COMPILE_SPEEDUP, dict(fitted.FLOAT8_SPEEDUP), fitted.ATTENTION_RATE,
-             fitted.ALLOCATOR_RESERVE)
+             fitted.ALLOCATOR_RESERVE, dict(fitted.A2A_EFFICIENCY))
     try:
         _apply(values)
         yield
     finally:
         (fitted.EFFICIENCY, fitted.COMPILE_SPEEDUP, fitted.FLOAT8_SPEEDUP, fitted.ATTENTION_RATE,
-         fitted.ALLOCATOR_RESERVE) = saved
+         fitted.ALLOCATOR_RESERVE, fitted.A2A_EFFICIENCY) = saved
 
 
 def _apply(values: dict) -> None:
@@ -88,6 +89,8 @@ def _apply(values: dict) -> None:
             fitted.FLOAT8_SPEEDUP = {**fitted.FLOAT8_SPEEDUP, sub: v}
         elif kind == "attention_rate":
             fitted.ATTENTION_RATE = v
+        elif kind == "a2a_efficiency":
+            fitted.A2A_EFFICIENCY = {**fitted.A2A_EFFICIENCY, sub: v}
         elif kind == "allocator_reserve":
             fitted.ALLOCATOR_RESERVE = v
         else:
@@ -96,13 +99,15 @@ def _apply(values: dict) -> None:
 
 def current() -> dict:
     return {"efficiency:h100": fitted.EFFICIENCY["h100"], "efficiency:a100": fitted.EFFICIENCY["a100"],
+            "efficiency:b200": fitted.EFFICIENCY["b200"],
             "compile_speedup": fitted.COMPILE_SPEEDUP, "float8_speedup:tensorwise": fitted.FLOAT8_SPEEDUP["tensorwise"],
-            "float8_speedup:rowwise": fitted.FLOAT8_SPEEDUP["rowwise"], "attention_rate": fitted.ATTENTION_RATE,
+            "float8_speedup:rowwise": fitted.FLOAT8_SPEEDUP["rowwise"], "float8_speedup:mxfp8": fitted.FLOAT8_SPEEDUP["mxfp8"],
+            "attention_rate": fitted.ATTENTION_RATE, "a2a_efficiency:standard": fitted.A2A_EFFICIENCY["standard"],
             "allocator_reserve": fitted.ALLOCATOR_RESERVE}
 
 
 _RANGE = {"efficiency": (0.05, 1.0), "compile_speedup": (0.5, 20.0), "float8_speedup": (0.3, 3.0),
-          "attention_rate": (0.05, 2.0), "allocator_reserve": (0.0, 2.0)}
+          "attention_rate": (0.05, 2.0), "allocator_reserve": (0.0, 2.0), "a2a_efficiency": (0.02, 1.0)}
 
 
 def fit(points: list[dict], rounds: int = 12, iters: int = 30, tol: float = 1e-4) -> dict:
@@ -175,6 +180,9 @@ def _recipe_text(r: dict) -> str:
         out.append(f"fp8 {r['float8']}" + (" + fp8 AG" if r.get("float8_allgather") else ""))
     if r.get("async_tp"):
         out.append("async TP")
+    if r.get("moe_dispatcher"):
+        out.append(("DeepEP" if r["moe_dispatcher"] == "deepep" else "default EP all-to-all")
+                   + (f", imbalance {r['moe_imbalance']}" if r.get("moe_imbalance") else ""))
     if r.get("pp_schedule") and r.get("microbatches"):
         out.append(f"{r['pp_schedule']} x{r['microbatches']}")
     return ", ".join(out) or "bf16 eager"
