@@ -353,10 +353,66 @@ def case_optimizer_built_after_fully_shard(rank, world):
     _raises(StaleOptimizerError, "in param group 1", opt2.step)
 
 
+# -- an all-reduce hook that raises on one rank ------------------------------------------------
+
+def _hooked(mesh):
+    m = _model()
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _grads(m):
+    return {n: full(p.grad).clone() for n, p in m.named_parameters()}
+
+
+class HookBoom(ValueError):
+    pass
+
+
+def case_all_reduce_hook_raises_on_one_rank(rank, world):
+    """A set_all_reduce_hook hook raising on rank 1 only (before, after or without a
+    collective of its own over another group): every rank raises at the end of that backward,
+    rank 1 its own exception, the others a RuntimeError naming rank 1; with the hook removed
+    the next backward's gradients are bitwise those of a model that never saw the fault.
+    Before, rank 0 waited in the next collective until the process-group timeout. FSDP and
+    HSDP (replicate 2 x shard 1: the hook runs after the replicate all-reduce)."""
+    import torch.distributed as dist
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    side = dist.new_group(backend="gloo")  # the hook's own collective, as a user's would be
+    for shape in ((world,), (world, 1)):
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for where in ("no collective", "after its collective"):
+            def hook(t, where=where):
+                if where == "after its collective":
+                    dist.all_reduce(torch.ones(1), group=side)
+                if rank == 1:
+                    raise HookBoom("boom in the hook")
+
+            m = _hooked(mesh)
+            m.set_all_reduce_hook(hook)
+            if rank == 1:
+                err = _raises(HookBoom, "boom in the hook", lambda: m(x).sum().backward())
+                assert any("raised on every rank" in n for n in getattr(err, "__notes__", [])), err
+            else:
+                _raises(RuntimeError, "hook raised on rank 1", lambda: m(x).sum().backward())
+            m.zero_grad()
+            m.set_all_reduce_hook(None)
+            m(x).sum().backward()
+            ref = _hooked(mesh)
+            ref(x).sum().backward()
+            got, want = _grads(m), _grads(ref)
+            assert all(torch.equal(got[n], want[n]) for n in want), (shape, where)
+    dist.destroy_process_group(side)
+
+
 CASES_2 = [
     case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
     case_refuse_bad_shard_dims, case_refuse_user_ragged_param,
     case_optimizer_built_before_fully_shard, case_optimizer_built_after_fully_shard,
+    case_all_reduce_hook_raises_on_one_rank,
 ]
 
 
