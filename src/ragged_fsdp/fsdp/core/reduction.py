@@ -134,11 +134,15 @@ class HookFailure:
 
 
 def _run_hook(hook: Callable[[torch.Tensor], None], segment: torch.Tensor, unit: Unit,
-              failed: list[HookFailure]) -> None:
+              failed: list[HookFailure]) -> bool:
+    """Run the hook; False (and the exception in ``failed``) when it raised: the segment is
+    then not used (it may be half-written or resized)."""
     try:
         run_all_reduce_hook(hook, segment)
     except Exception as e:  # not KeyboardInterrupt: that one stops this rank at once
         failed.append(HookFailure(unit, e))
+        return False
+    return True
 
 
 def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor, accumulate: bool,
@@ -151,7 +155,8 @@ def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor
     hook = hooks.all_reduce_hook
 
     def run() -> None:
-        _run_hook(hook, out, unit, failed)
+        if not _run_hook(hook, out, unit, failed):
+            return
         if out is not target:
             src = out if out.dtype == target.dtype else out.to(target.dtype)
             target.add_(src) if accumulate else target.copy_(src)
@@ -329,7 +334,8 @@ class Reductions:
         def after() -> None:
             if hook is not None:  # the hook sees the divided sum before it lands in the grads
                 partial.mul_(1.0 / factor)
-                _run_hook(hook, partial, unit, failed)
+                if not _run_hook(hook, partial, unit, failed):
+                    return
                 if existing:
                     target.add_(partial.to(target.dtype))
                 elif partial is not target:
