@@ -24,7 +24,9 @@ Every reduction is a typed state in the queue (:class:`Reduction`, :class:`Parti
 backward hands out at its end. :meth:`Reductions.hand_out` combines, per data-parallel mesh,
 the flags only the host knows (which slots got a gradient on any rank, which reductions ran
 early) in one all-reduce of a CPU tensor over a gloo group beside the device's process group
-(``Comm.host_group``): no device-to-host copy in backward.
+(``Comm.host_group``): no device-to-host copy in backward. The same exchange carries "the
+all-reduce hook raised on this rank" (:class:`HookFailure`), so that every rank raises there
+and none waits for the failed one in a collective.
 """
 
 from __future__ import annotations
@@ -363,7 +365,8 @@ class Reductions:
         'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
         its replicate dim under HSDP), on the host; then each unit points its sharded grads
         into the reduced segment. ``groups`` (in the root's order) orders the flags the
-        same on every rank."""
+        same on every rank. An all-reduce hook that raised on any rank of a mesh makes every
+        rank of it raise here, before that mesh's gradients are handed out."""
         self.wait_all()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
         describe = {id(u): g._describe() for g in groups for u in g.units}
