@@ -54,7 +54,7 @@ class RaggedShard(RaggedUnits, Placement):
         # it makes on ours: there the text also says which function lays a RaggedShard out
         caller = sys._getframe(1)
         if (caller.f_code.co_name == "distribute_tensor"
-                and caller.f_globals.get("__name__", "").startswith("torch.distributed.tensor")):
+                and caller.f_globals.get("__name__", "").startswith("torch.distributed")):
             return (f"{self!r} (torch's distribute_tensor cannot lay out a RaggedShard: call "
                     "ragged_fsdp.distribute_tensor(tensor, mesh, placements), which takes the same arguments)")
         return format(str(self), spec)
