@@ -38,7 +38,11 @@ takes on GPUs instead: distributed type ``FSDP``, and ``mixed_precision`` mapped
 plugin by the plugin's own ``set_mixed_precision`` (``"bf16"`` ->
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``; an explicit
 ``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin there is refused
-(accelerate's own FSDP1 plugin already refuses to be built without an accelerator).
+(accelerate's own FSDP1 plugin already refuses to be built without an accelerator when
+``sync_module_states`` is on, with "no available devices found"; after :func:`enable` that
+refusal is a :class:`RaggedAccelerateError` too). Both name ``FSDP_VERSION=2``: transformers'
+``Trainer`` (4.57) builds the plugin from ``FSDP_*`` environment variables and ignores
+``fsdp_config["fsdp_version"]``.
 
 Without ``cpu=True`` a CPU machine gives accelerate's distributed type ``NO`` even under
 torchrun: accelerate drops the FSDP plugin and every process trains its own unsharded copy,
