@@ -336,7 +336,7 @@ def case_optimizer_built_after_fully_shard(rank, world):
     opt = torch.optim.SGD([*m.parameters(), *extra.parameters()], lr=0.1)
     _backward(m, rank)
     opt.step()
-    fully_shard(extra, mesh=init_device_mesh("cpu", (world,)))
+    assert fully_shard(extra, mesh=init_device_mesh("cpu", (world,))) is extra  # it still returns the module
     err = _raises(StaleOptimizerError, "'weight' of the Linear given to fully_shard (shape (4, 4))", opt.step)
     assert "param group 0" in str(err)
     # ... and when a param group holding a replaced parameter is added after the first check

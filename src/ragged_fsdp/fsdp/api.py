@@ -144,8 +144,8 @@ def fully_shard(
         root_name = type(modules[0]).__name__
         for fqn, p, owners in params:
             mark_managed(p)
-            module, attr = owners[0]
-            if module._parameters.get(attr) is not p:  # an optimizer built before now holds p
+            owner, attr = owners[0]
+            if owner._parameters.get(attr) is not p:  # an optimizer built before now holds p
                 remember_replaced(p, f"{fqn!r} of the {root_name} given to fully_shard (shape {tuple(p.shape)})")
         mark_sharded(group)
         _register_state_dict_hooks(group)
