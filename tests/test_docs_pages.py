@@ -100,3 +100,26 @@ def test_the_engine_table_lists_every_file_once():
                    if not (p.name == "__init__.py" and p.parent != engine))
     assert len(rows) == len(set(rows)), f"listed twice: {sorted({r for r in rows if rows.count(r) > 1})}"
     assert sorted(rows) == files, f"missing: {sorted(set(files) - set(rows))}, not in the tree: {sorted(set(rows) - set(files))}"
+
+
+def _guide_pages() -> list[str]:
+    """The pages under the site's "User guide" section of mkdocs.yml's nav."""
+    lines = (ROOT / "mkdocs.yml").read_text().splitlines()
+    start = lines.index("  - User guide:")
+    pages = []
+    for line in lines[start + 1:]:
+        if not line.startswith("      - "):
+            break
+        pages.append(line.rsplit(":", 1)[1].strip())
+    return pages
+
+
+def test_every_guide_page_is_linked_from_readme_and_index():
+    """A user reads the README or the site's home page, not mkdocs.yml: a guide page
+    neither links is a page nobody finds (docs/gradient-reduce.md was one)."""
+    pages = _guide_pages()
+    assert "gradient-reduce.md" in pages and len(pages) > 10
+    readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
+    missing = [(p, where) for p in pages for where, text, link in
+               (("README.md", readme, f"(docs/{p}"), ("docs/index.md", index, f"({p}")) if link not in text]
+    assert not missing, f"guide pages not linked: {missing}"

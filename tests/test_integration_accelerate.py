@@ -389,18 +389,85 @@ class _Scorer(__import__("torch").nn.Module):
         return self.lin(x).sum(-1)
 
 
+def case_hf_trainer(rank, world):
+    """transformers' Trainer with fsdp="full_shard auto_wrap" trains with ragged_fsdp after
+    enable(), given FSDP_VERSION=2 in the environment (transformers 4.57 builds accelerate's
+    plugin from FSDP_* variables and has none for the version, so fsdp_config's
+    "fsdp_version" is never read): 3 AdamW steps on 2 ranks against the same Trainer in one
+    process without FSDP. Without FSDP_VERSION the refusal names the variable."""
+    import sys
+
+    import torch
+    from accelerate.state import AcceleratorState, GradientState
+
+    import ragged_fsdp.integrations.accelerate as ragged_accelerate
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import _hf_trainer
+
+    saved = dict(os.environ)  # TrainingArguments writes ACCELERATE_USE_FSDP and FSDP_* here
+    out = os.path.join(os.environ["RAGGED_ACC_ROOT"], "hf_trainer")
+    try:
+        ragged_accelerate.enable()
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        os.environ.pop("FSDP_VERSION", None)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        with pytest.raises(ragged_accelerate.RaggedAccelerateError, match="FSDP_VERSION=2"):
+            _hf_trainer.train(out, world, fsdp=True)
+        os.environ["FSDP_VERSION"] = "2"
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        got = _hf_trainer.train(out, world, fsdp=True)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    want = torch.load(os.environ["RAGGED_HF_REFERENCE"])
+    assert got["ragged"] and not want["ragged"]
+    assert len(got["loss"]) == len(want["loss"]) == _hf_trainer.STEPS
+    # the logged loss is rounded to 4 digits by the Trainer; the norm is not
+    assert got["loss"] == want["loss"], (got["loss"], want["loss"])
+    for a, b in zip(got["grad_norm"], want["grad_norm"]):
+        assert _rel(a, b) <= NORM_RTOL, (got["grad_norm"], want["grad_norm"])
+    assert set(got["params"]) == set(want["params"])
+    err = max((got["params"][k] - want["params"][k]).abs().max().item() for k in want["params"])
+    moved = min((want["params"][k] - _hf_trainer._model().state_dict()[k]).abs().max().item() for k in want["params"])
+    assert err <= 1e-4 < moved, (err, moved)  # AdamW's first steps move every element by about lr = 1e-2
+
+
 CASES = [case_full_state_dict, case_sharded_state_dict, case_cpu_takes_fsdp_path_with_mixed_precision,
          case_torchrun_without_cpu_true_is_refused_not_duplicated, case_enable_is_scoped,
-         case_torch_fsdp_module_surface]
+         case_torch_fsdp_module_surface, case_hf_trainer]
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def hf_reference(tmp_path_factory):
+    """The one-process HF Trainer run case_hf_trainer is checked against (its own process:
+    no launcher variables, no process group, no FSDP)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("hf_reference")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "FSDP_VERSION")
+           and not k.startswith(("ACCELERATE_", "FSDP_"))}
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_hf_trainer.py")
+    r = subprocess.run([sys.executable, script, str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return str(out / "reference.pt")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, hf_reference):
     os.environ["RAGGED_ACC_ROOT"] = str(tmp_path_factory.mktemp("accelerate"))
+    os.environ["RAGGED_HF_REFERENCE"] = hf_reference
     try:
         return run_cases(2, CASES, timeout=600)
     finally:
         os.environ.pop("RAGGED_ACC_ROOT", None)
+        os.environ.pop("RAGGED_HF_REFERENCE", None)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])

@@ -292,11 +292,25 @@ def case_local_op_results(rank, world):
         torch._foreach_add_([ts[0], ts[0]], [ts[0], ts[2]])
 
 
+def case_torch_distribute_tensor_points_to_ours(rank, world):
+    """torch's own distribute_tensor cannot lay out a RaggedShard; its error names ours."""
+    from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = RaggedShard((0,), (1,) * world)
+    with pytest.raises(RuntimeError, match=r"ragged_fsdp\.distribute_tensor"):
+        torch_distribute_tensor(torch.ones(world, 3), mesh, [p])
+    assert f"{p}" == repr(p) == str(p)  # the pointer is for that error only
+    t = rf.distribute_tensor(torch.ones(world, 3), mesh, [p])
+    assert t.to_local().shape == (1, 3)
+
+
 CASES = [
     case_detach_is_a_new_tensor, case_local_op_results,
     case_round_trip, case_redistribute, case_redistribute_autograd,
     case_optimizers_match_full_tensors, case_bf16_optimizer, case_clip_grad_norm,
     case_reductions_and_factories, case_random_init_is_world_size_independent, case_bad_input,
+    case_torch_distribute_tensor_points_to_ours,
 ]
 
 

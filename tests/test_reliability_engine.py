@@ -259,9 +259,160 @@ def case_refuse_user_ragged_param(rank, world):
             lambda: fully_shard(parent[0], mesh=mesh))
 
 
+# -- an optimizer built before fully_shard (it holds the replaced parameters) ----------------
+
+def _optimizers():
+    """name -> (optimizer factory, the granularity_fn fully_shard needs for it)."""
+    from ragged_fsdp.optim import AdamW, AdamW8bit, Muon, Shampoo, combined_granularity, muon_param_groups
+
+    return {
+        "torch.AdamW": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), lambda m: None),
+        "torch.SGD": (lambda m: torch.optim.SGD(m.parameters(), lr=1e-1), lambda m: None),
+        "AdamW": (lambda m: AdamW(m.parameters(), lr=1e-2), lambda m: None),
+        "AdamW8bit": (lambda m: AdamW8bit(m.parameters(), lr=1e-2), lambda m: AdamW8bit.granularity),
+        "Muon": (lambda m: Muon(muon_param_groups(m), lr=2e-2), lambda m: combined_granularity(m)),
+        "Shampoo": (lambda m: Shampoo(m.parameters(), lr=1e-2, max_preconditioner_dim=32),
+                    lambda m: Shampoo.granularity_for(max_preconditioner_dim=32)),
+    }
+
+
+def _llama(world, gran_fn=None, opt_fn=None):
+    """A tiny Llama, each block and the root wrapped; ``opt_fn`` (if given) builds the
+    optimizer before fully_shard, as a user who fell into the trap did."""
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig.tiny())
+    early = opt_fn(m) if opt_fn is not None else None
+    gran = gran_fn(m) if gran_fn is not None else None
+    mesh = init_device_mesh("cpu", (world,))
+    for block in m.layers:
+        fully_shard(block, mesh=mesh, granularity_fn=gran)
+    fully_shard(m, mesh=mesh, granularity_fn=gran)
+    return m, early
+
+
+def _backward(m, rank):
+    tokens, targets = global_batch(0, 4, 8, LlamaConfig.tiny().vocab_size)
+    m.loss(tokens[2 * rank:2 * rank + 2], targets[2 * rank:2 * rank + 2]).backward()
+
+
+def case_optimizer_built_before_fully_shard(rank, world):
+    """Each optimizer built before fully_shard is refused at its first step, naming a
+    parameter and the fix, before it changes anything; TrainState refuses it too. Before,
+    10 steps moved no parameter and the first save failed with KeyError: 0."""
+    from ragged_fsdp.checkpoint import TrainState
+    from ragged_fsdp.fsdp.core.stale_optimizer import StaleOptimizerError
+
+    for name, (make, gran) in _optimizers().items():
+        m, opt = _llama(world, gran, make)
+        before = {n: full(p).clone() for n, p in m.named_parameters()}
+        _backward(m, rank)
+        err = _raises(StaleOptimizerError, "Build the optimizer after fully_shard", opt.step)
+        assert type(opt).__name__ in str(err) and "shape (" in str(err), f"{name}: {err}"
+        _raises(StaleOptimizerError, "Build the optimizer after fully_shard", lambda: TrainState(m, opt).state_dict())
+        assert all(torch.equal(full(p), before[n]) for n, p in m.named_parameters()), name
+
+
+def case_optimizer_built_after_fully_shard(rank, world):
+    """The same optimizers built after fully_shard step without a word and move every
+    parameter that got a gradient; a parameter group added later, or a module wrapped
+    later, is checked again at the next step."""
+    from ragged_fsdp.checkpoint import TrainState
+    from ragged_fsdp.fsdp.core.stale_optimizer import StaleOptimizerError
+
+    for name, (make, gran) in _optimizers().items():
+        m, _ = _llama(world, gran)
+        opt = make(m)
+        before = {n: full(p).clone() for n, p in m.named_parameters()}
+        for _ in range(2):
+            _backward(m, rank)
+            opt.step()
+            opt.zero_grad()
+        TrainState(m, opt).state_dict()
+        moved = [n for n, p in m.named_parameters() if not torch.equal(full(p), before[n])]
+        assert len(moved) == len(before), f"{name}: only {moved} moved"
+    # checked once, then again when a later fully_shard replaced what the optimizer holds
+    m, _ = _llama(world)
+    extra = nn.Linear(4, 4)
+    opt = torch.optim.SGD([*m.parameters(), *extra.parameters()], lr=0.1)
+    _backward(m, rank)
+    opt.step()
+    assert fully_shard(extra, mesh=init_device_mesh("cpu", (world,))) is extra  # it still returns the module
+    err = _raises(StaleOptimizerError, "'weight' of the Linear given to fully_shard (shape (4, 4))", opt.step)
+    assert "param group 0" in str(err)
+    # ... and when a param group holding a replaced parameter is added after the first check
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.step()
+    opt.add_param_group({"params": [nn.Linear(2, 2).weight]})
+    opt.step()
+    old = nn.Linear(3, 3)
+    stale = old.weight
+    fully_shard(old, mesh=init_device_mesh("cpu", (world,)))
+    opt2 = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt2.step()
+    opt2.add_param_group({"params": [stale]})
+    _raises(StaleOptimizerError, "in param group 1", opt2.step)
+
+
+# -- an all-reduce hook that raises on one rank ------------------------------------------------
+
+def _hooked(mesh):
+    m = _model()
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _grads(m):
+    return {n: full(p.grad).clone() for n, p in m.named_parameters()}
+
+
+class HookBoom(ValueError):
+    pass
+
+
+def case_all_reduce_hook_raises_on_one_rank(rank, world):
+    """A set_all_reduce_hook hook raising on rank 1 only (before, after or without a
+    collective of its own over another group): every rank raises at the end of that backward,
+    rank 1 its own exception, the others a RuntimeError naming rank 1; with the hook removed
+    the next backward's gradients are bitwise those of a model that never saw the fault.
+    Before, rank 0 waited in the next collective until the process-group timeout. FSDP and
+    HSDP (replicate 2 x shard 1: the hook runs after the replicate all-reduce)."""
+    import torch.distributed as dist
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    side = dist.new_group(backend="gloo")  # the hook's own collective, as a user's would be
+    for shape in ((world,), (world, 1)):
+        names = ("replicate", "shard") if len(shape) == 2 else None
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        for where in ("no collective", "after its collective"):
+            def hook(t, where=where):
+                if where == "after its collective":
+                    dist.all_reduce(torch.ones(1), group=side)
+                if rank == 1:
+                    raise HookBoom("boom in the hook")
+
+            m = _hooked(mesh)
+            m.set_all_reduce_hook(hook)
+            if rank == 1:
+                err = _raises(HookBoom, "boom in the hook", lambda: m(x).sum().backward())
+                assert any("raised on every rank" in n for n in getattr(err, "__notes__", [])), err
+            else:
+                _raises(RuntimeError, "hook raised on rank 1", lambda: m(x).sum().backward())
+            m.zero_grad()
+            m.set_all_reduce_hook(None)
+            m(x).sum().backward()
+            ref = _hooked(mesh)
+            ref(x).sum().backward()
+            got, want = _grads(m), _grads(ref)
+            assert all(torch.equal(got[n], want[n]) for n in want), (shape, where)
+    dist.destroy_process_group(side)
+
+
 CASES_2 = [
     case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
     case_refuse_bad_shard_dims, case_refuse_user_ragged_param,
+    case_optimizer_built_before_fully_shard, case_optimizer_built_after_fully_shard,
+    case_all_reduce_hook_raises_on_one_rank,
 ]
 
 

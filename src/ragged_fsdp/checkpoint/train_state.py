@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ragged_fsdp.fsdp.core.stale_optimizer import check_optimizer
+
 from .state_dict import StateDictOptions, get_state_dict, get_model_state_dict, set_model_state_dict, set_state_dict
 
 __all__ = ["TrainState"]
@@ -35,13 +37,21 @@ class TrainState(Stateful):
         self.optimizers = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
         self.options = options
 
+    def _check_optimizers(self) -> None:
+        # an optimizer built before fully_shard holds the replaced parameters: torch's
+        # get_state_dict would fail on it with a bare KeyError, and it never trained
+        for opt in self.optimizers:
+            check_optimizer(opt)
+
     def state_dict(self):
+        self._check_optimizers()
         if not self.optimizers:
             return {"model": get_model_state_dict(self.model, options=self.options)}
         model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict):
+        self._check_optimizers()
         if not self.optimizers:
             set_model_state_dict(self.model, state_dict["model"], options=self.options)
             return

@@ -36,6 +36,7 @@ from .core.mesh_info import place_params, resolve_mesh
 from .core.param_group import ParamGroup
 from .core.sharded_param import local_of
 from .core.state import FSDPState
+from .core.stale_optimizer import remember_replaced
 from .offload.optimizers import require_streaming_optimizers
 from .offload.policy import resolve_offload
 from .offload.staging import attach as attach_offload
@@ -141,8 +142,12 @@ def fully_shard(
             attach_offload(group, offload)
             if not offload.params:
                 require_streaming_optimizers()
-        for _, p, _ in params:
+        root_name = type(modules[0]).__name__
+        for fqn, p, owners in params:
             mark_managed(p)
+            owner, attr = owners[0]
+            if owner._parameters.get(attr) is not p:  # an optimizer built before now holds p
+                remember_replaced(p, f"{fqn!r} of the {root_name} given to fully_shard (shape {tuple(p.shape)})")
         mark_sharded(group)
         _register_state_dict_hooks(group)
         register_residual_state(group, modules[0])

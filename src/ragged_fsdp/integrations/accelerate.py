@@ -38,7 +38,11 @@ takes on GPUs instead: distributed type ``FSDP``, and ``mixed_precision`` mapped
 plugin by the plugin's own ``set_mixed_precision`` (``"bf16"`` ->
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16, output_dtype=bf16)``; an explicit
 ``mixed_precision_policy`` on the plugin wins, as on GPU). An FSDP1 plugin there is refused
-(accelerate's own FSDP1 plugin already refuses to be built without an accelerator).
+(accelerate's own FSDP1 plugin already refuses to be built without an accelerator when
+``sync_module_states`` is on, with "no available devices found"; after :func:`enable` that
+refusal is a :class:`RaggedAccelerateError` too). Both name ``FSDP_VERSION=2``: transformers'
+``Trainer`` (4.57) builds the plugin from ``FSDP_*`` environment variables and ignores
+``fsdp_config["fsdp_version"]``.
 
 Without ``cpu=True`` a CPU machine gives accelerate's distributed type ``NO`` even under
 torchrun: accelerate drops the FSDP plugin and every process trains its own unsharded copy,
@@ -236,18 +240,41 @@ def _take_fsdp_branch_on_cpu(state, fsdp_plugin) -> None:
     if state.distributed_type != DistributedType.MULTI_CPU:
         return
     if getattr(fsdp_plugin, "fsdp_version", 1) != 2:
-        # accelerate's FSDP1 plugin refuses a CPU machine when it is built; one made before
-        # (and handed over) would run as DDP here
-        raise RaggedAccelerateError(
-            "ragged_fsdp.integrations.accelerate: FullyShardedDataParallelPlugin(fsdp_version="
-            f"{fsdp_plugin.fsdp_version}) on a CPU machine would run as DDP (accelerate's MULTI_CPU); "
-            "ragged_fsdp runs accelerate's FSDP2 path only: pass fsdp_version=2"
-        )
+        # accelerate's FSDP1 plugin refuses a CPU machine when it is built (with
+        # sync_module_states; see _wrap_plugin_post_init); one made before (and handed
+        # over) would run as DDP here
+        raise RaggedAccelerateError(_fsdp1_refusal(fsdp_plugin.fsdp_version, "would run as DDP (accelerate's MULTI_CPU)"))
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
     state.distributed_type = DistributedType.FSDP
     if state._mixed_precision != "no":
         fsdp_plugin.set_mixed_precision(state._mixed_precision)
     state.fsdp_plugin = fsdp_plugin
+
+
+def _fsdp1_refusal(version, what: str) -> str:
+    return (
+        f"ragged_fsdp.integrations.accelerate: FullyShardedDataParallelPlugin(fsdp_version={version}) on a CPU "
+        f"machine {what}; ragged_fsdp runs accelerate's FSDP2 path only: pass fsdp_version=2, or set the "
+        "environment variable FSDP_VERSION=2 where the plugin is built from the environment (accelerate "
+        "launch's config, and transformers' Trainer: transformers 4.57 does not pass fsdp_config's "
+        "'fsdp_version' on, so it needs FSDP_VERSION=2)")
+
+
+def _wrap_plugin_post_init(post_init):
+    """accelerate's FSDP1 plugin with ``sync_module_states`` (transformers' Trainer default)
+    fails on a CPU machine while it is built, with "no available devices found": an error
+    that does not say the version is what to change."""
+    @functools.wraps(post_init)
+    def __post_init__(self):
+        try:
+            post_init(self)
+        except RuntimeError as e:
+            if getattr(self, "fsdp_version", None) != 1 or "no available devices" not in str(e):
+                raise
+            raise RaggedAccelerateError(_fsdp1_refusal(1, f"fails in accelerate ({e})")) from e
+
+    __post_init__.__ragged_fsdp_original__ = post_init
+    return __post_init__
 
 
 def _wrap_state_init(init):
@@ -263,10 +290,13 @@ def _wrap_state_init(init):
 def enable() -> None:
     """Make accelerate's FSDP2 path (``fsdp_version=2``) use ragged_fsdp, on CPU machines
     too. Call once, before ``Accelerator(...)``; idempotent."""
+    from accelerate import FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
 
     if not hasattr(AcceleratorState.__init__, "__ragged_fsdp_original__"):
         AcceleratorState.__init__ = _wrap_state_init(AcceleratorState.__init__)
+    if not hasattr(FullyShardedDataParallelPlugin.__post_init__, "__ragged_fsdp_original__"):
+        FullyShardedDataParallelPlugin.__post_init__ = _wrap_plugin_post_init(FullyShardedDataParallelPlugin.__post_init__)
     for name, modules in _WRAPPED.items():
         for modname in modules:
             mod = importlib.import_module(modname)
@@ -279,11 +309,15 @@ def enable() -> None:
 
 def disable() -> None:
     """Undo :func:`enable` (accelerate's FSDP2 path uses torch's FSDP2 again)."""
+    from accelerate import FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
 
     original = getattr(AcceleratorState.__init__, "__ragged_fsdp_original__", None)
     if original is not None:
         AcceleratorState.__init__ = original
+    original = getattr(FullyShardedDataParallelPlugin.__post_init__, "__ragged_fsdp_original__", None)
+    if original is not None:
+        FullyShardedDataParallelPlugin.__post_init__ = original
     for (modname, name), fn in list(_originals.items()):
         if modname.startswith("accelerate"):
             setattr(importlib.import_module(modname), name, fn)

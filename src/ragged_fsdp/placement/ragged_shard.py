@@ -12,6 +12,8 @@ The DTensor side lives in ``ragged_fsdp.placement.dtensor``.
 
 from __future__ import annotations
 
+import sys
+
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_fsdp.ragged_units import Box, RaggedUnits, even_units, same_layout
@@ -45,6 +47,17 @@ class RaggedShard(RaggedUnits, Placement):
         # plain ints on disk (RunCounts is an in-memory form): torch.load(weights_only=True)
         # rebuilds a placement only from types it allows
         return (RaggedShard, (self.dims, tuple(int(n) for n in self.local_units), self.unit))
+
+    def __format__(self, spec: str) -> str:
+        # torch's distribute_tensor knows Shard, Replicate and Partial only; it refuses any
+        # other placement with an f-string holding it, and that formatting is the one call
+        # it makes on ours: there the text also says which function lays a RaggedShard out
+        caller = sys._getframe(1)
+        if (caller.f_code.co_name == "distribute_tensor"
+                and caller.f_globals.get("__name__", "").startswith("torch.distributed")):
+            return (f"{self!r} (torch's distribute_tensor cannot lay out a RaggedShard: call "
+                    "ragged_fsdp.distribute_tensor(tensor, mesh, placements), which takes the same arguments)")
+        return format(str(self), spec)
 
     def __fx_repr__(self):  # torch asks placements for this when printing graphs
         return repr(self), {"RaggedShard": RaggedShard}

@@ -24,7 +24,9 @@ Every reduction is a typed state in the queue (:class:`Reduction`, :class:`Parti
 backward hands out at its end. :meth:`Reductions.hand_out` combines, per data-parallel mesh,
 the flags only the host knows (which slots got a gradient on any rank, which reductions ran
 early) in one all-reduce of a CPU tensor over a gloo group beside the device's process group
-(``Comm.host_group``): no device-to-host copy in backward.
+(``Comm.host_group``): no device-to-host copy in backward. The same exchange carries "the
+all-reduce hook raised on this rank" (:class:`HookFailure`), so that every rank raises there
+and none waits for the failed one in a collective.
 """
 
 from __future__ import annotations
@@ -120,17 +122,44 @@ def _segment(unit: Unit, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(buf.segment, dtype=dtype, device=buf.device)
 
 
+@dataclass
+class HookFailure:
+    """An exception the all-reduce hook raised on this rank, kept until the end of backward.
+
+    Raising it where it happened would leave the other ranks in the engine's next
+    collective until the process-group timeout (30 minutes by default). Instead the rank
+    goes on issuing the same collectives as its peers (the failed step's gradients are
+    never handed out), and the end-of-backward flag exchange, which every rank reaches,
+    carries it: every rank raises there."""
+
+    unit: Unit
+    error: Exception
+
+
+def _run_hook(hook: Callable[[torch.Tensor], None], segment: torch.Tensor, unit: Unit,
+              failed: list[HookFailure]) -> bool:
+    """Run the hook; False (and the exception in ``failed``) when it raised: the segment is
+    then not used (it may be half-written or resized)."""
+    try:
+        run_all_reduce_hook(hook, segment)
+    except Exception as e:  # not KeyboardInterrupt: that one stops this rank at once
+        failed.append(HookFailure(unit, e))
+        return False
+    return True
+
+
 def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor, accumulate: bool,
-                after: Pending | None) -> Pending:
+                after: Pending | None, failed: list[HookFailure]) -> Pending:
     """FSDP (no replicate dim): run the all-reduce hook on the reduced segment ``out`` once
     the reduction ``after`` finished, then cast or add it into ``target`` if it is not
     ``target``. Its own lane (the user's stream, when set_all_reduce_hook got one), as FSDP2
-    runs its hook on the all-reduce stream."""
+    runs its hook on the all-reduce stream. An exception of the hook goes to ``failed``."""
     hooks = unit.hooks
     hook = hooks.all_reduce_hook
 
     def run() -> None:
-        run_all_reduce_hook(hook, out)
+        if not _run_hook(hook, out, unit, failed):
+            return
         if out is not target:
             src = out if out.dtype == target.dtype else out.to(target.dtype)
             target.add_(src) if accumulate else target.copy_(src)
@@ -178,6 +207,7 @@ def _scatter(dev: Device, unit: Unit, grad: torch.Tensor, target: torch.Tensor, 
 class Reductions:
     in_flight: list = field(default_factory=list)  # Reduction | PartialSum, issue order
     issued: list[Reduction] = field(default_factory=list)  # this backward's, to hand out
+    hook_failures: list[HookFailure] = field(default_factory=list)  # this backward's, raised at hand-out
 
     # -- the queue ---------------------------------------------------------------------
     def retire(self, keep: int = 0) -> None:
@@ -195,11 +225,13 @@ class Reductions:
         """Wait for everything and drop this backward's states (``reset_iter_state``)."""
         self.wait_all()
         self.issued = []
+        self.hook_failures = []
 
     def forget(self) -> None:
         """Drop this backward's states without waiting (a backward that raised: its
         reductions are never handed out; the collectives stay queued to be waited for)."""
         self.issued = []
+        self.hook_failures = []
 
     def _take_earlier(self, unit: Unit) -> Reduction | None:
         for k, r in enumerate(self.issued):
@@ -257,7 +289,7 @@ class Reductions:
             if not existing:
                 if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None and settings.wire is None:
                     # nothing to reduce: the unsharded gradient buffer is the sharded one
-                    stage = _hook_stage(dev, unit, grad, grad, False, None) if hooked else None
+                    stage = _hook_stage(dev, unit, grad, grad, False, None, self.hook_failures) if hooked else None
                     return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early, replicate=stage),
                                      queued=False)
                 target, accumulate = buf.new_sharded_grad(), False
@@ -271,7 +303,7 @@ class Reductions:
         # gradients accumulated earlier), as FSDP2's hook sees its reduce-scatter output
         out = target if not accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
         pending = _scatter(dev, unit, grad, out, False, factor, settings)
-        stage = _hook_stage(dev, unit, out, target, accumulate, pending)
+        stage = _hook_stage(dev, unit, out, target, accumulate, pending, self.hook_failures)
         self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage,
                             sent=_sent_bytes(unit, grad, settings)))
 
@@ -317,11 +349,13 @@ class Reductions:
                 partial.add_(earlier)
 
         hook = unit.hooks.all_reduce_hook
+        failed = self.hook_failures
 
         def after() -> None:
             if hook is not None:  # the hook sees the divided sum before it lands in the grads
                 partial.mul_(1.0 / factor)
-                run_all_reduce_hook(hook, partial)
+                if not _run_hook(hook, partial, unit, failed):
+                    return
                 if existing:
                     target.add_(partial.to(target.dtype))
                 elif partial is not target:
@@ -350,32 +384,35 @@ class Reductions:
         'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
         its replicate dim under HSDP), on the host; then each unit points its sharded grads
         into the reduced segment. ``groups`` (in the root's order) orders the flags the
-        same on every rank."""
+        same on every rank. An all-reduce hook that raised on any rank of a mesh makes every
+        rank of it raise here, before that mesh's gradients are handed out."""
         self.wait_all()
-        for g in groups:  # the backward completed: error feedback's staged residuals are the residuals now
-            for u in g.units:
-                u.commit_residual()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
         describe = {id(u): g._describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
         self.issued = []
+        failures, self.hook_failures = self.hook_failures, []
         # one flag all-reduce per set of process groups, not per DPMesh object: every
         # fully_shard call makes its own DPMesh over the same groups, and a blocking host
         # all-reduce per group and step is a round trip per block at the end of backward
         by_dp: dict[tuple, list[Reduction]] = {}
         for r in issued:
-            key = (id(r.dp.shard.group), id(r.dp.replicate.group) if r.dp.replicate is not None else None)
-            by_dp.setdefault(key, []).append(r)
-        for items in by_dp.values():
+            by_dp.setdefault(_dp_key(r.dp), []).append(r)
+        for key, items in by_dp.items():
             dp = items[0].dp
+            here = [f for f in failures if _dp_key(f.unit.dp) == key]
             # per reduction, also (early, not early): every rank must have issued it at the
             # same point, or the collectives paired different buffers; MAX makes a mismatch (1, 1)
             early = [v for r in items for v in (int(r.early), 1 - int(r.early))]
-            flags = torch.tensor([int(f) for r in items for f in r.touched] + early, dtype=torch.int32)
+            # last: 1 + the global rank of the highest rank whose all-reduce hook raised
+            failed_on = [dist.get_rank() + 1 if here and dist.is_initialized() else int(bool(here))]
+            flags = torch.tensor([int(f) for r in items for f in r.touched] + early + failed_on, dtype=torch.int32)
             for comm in (dp.shard, dp.replicate):
                 if comm is not None and comm.world_size > 1 and flags.numel():
                     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.host_group)
             got = flags.tolist()
+            if got.pop():
+                _raise_hook_failure(here, got_rank=flags[-1].item() - 1, describe=describe)
             n_touched = len(got) - len(early)
             mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
             if mixed:
@@ -396,3 +433,30 @@ class Reductions:
                     r.unit.forget_grad_segment()  # accumulate into a device segment, never the host one
                     r.target = target  # the device segment has no other owner: freed here
                 k += n
+        # the backward completed and no rank's hook failed: error feedback's staged residuals
+        # are the residuals now (a raise above leaves them staged, and the abort drops them)
+        for g in groups:
+            for u in g.units:
+                u.commit_residual()
+
+
+def _dp_key(dp: DPMesh) -> tuple:
+    return id(dp.shard.group), id(dp.replicate.group) if dp.replicate is not None else None
+
+
+def _raise_hook_failure(failures: list[HookFailure], got_rank: int, describe: dict[int, str]) -> None:
+    """Every rank of a mesh where an all-reduce hook raised in this backward raises here:
+    the ranks where it raised their own exception, the others a RuntimeError naming a rank
+    where it did. None of the backward's gradients are handed out."""
+    if failures:
+        f = failures[0]
+        f.error.add_note(
+            f"ragged_fsdp: raised by the set_all_reduce_hook hook of {describe.get(id(f.unit), '?')} (buffer "
+            f"{f.unit.index}); kept until the end of backward and raised on every rank, so that no rank waits "
+            "for this one in a collective. This backward's gradients were not handed out")
+        raise f.error
+    raise RuntimeError(
+        f"ragged_fsdp: the set_all_reduce_hook hook raised on rank {got_rank} in this backward (the highest rank "
+        "where it raised; its own exception is raised there); every rank raises at the end of that backward "
+        "instead of waiting for it in a collective. This backward's gradients were not handed out: call "
+        "zero_grad() and go on, or stop on every rank")

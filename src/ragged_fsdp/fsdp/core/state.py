@@ -279,6 +279,13 @@ class FSDPState:
                 if st.group is not None:
                     st.group.end_backward()
             ctx.reductions.hand_out([st.group for st in states if st.group is not None])
+        except BaseException:
+            # e.g. an all-reduce hook raised on some rank: no gradient of this backward was
+            # taken, so neither is the error-feedback residual its reductions staged
+            for st in states:
+                for u in st.group.units if st.group is not None else ():
+                    u.discard_residual()
+            raise
         finally:
             ctx.reset(states, aborted=False)
 

@@ -283,6 +283,12 @@ class Unit:
         if self.wire is not None and self.wire.residual is not None:
             self.wire.residual.commit()
 
+    def discard_residual(self) -> None:
+        """The backward raised before its gradients were handed out: drop the residual its
+        reductions staged (error feedback resumes from the last completed backward's)."""
+        if self.wire is not None and self.wire.residual is not None:
+            self.wire.residual.discard()
+
     def take_partial(self) -> tuple[torch.Tensor | None, list[bool] | None]:
         """HSDP without the replicate all-reduce: hand over the shard-dim sums kept so far."""
         out = self.partial, self.partial_touched
@@ -297,8 +303,7 @@ class Unit:
         unsharded parameters' ``.grad``, HSDP's kept shard-dim sums and the residual its
         reductions staged (error feedback resumes from the last completed backward's)."""
         self.buf.take_grad()
-        if self.wire is not None and self.wire.residual is not None:
-            self.wire.residual.discard()
+        self.discard_residual()
         for info in self.infos:
             if info.unsharded is not None:
                 info.unsharded.grad = None

@@ -35,7 +35,7 @@ import torch.nn as nn
 from ragged_fsdp.fsdp import FSDPModule
 
 from .shard import fully_shard_for_torchtitan
-from .support import Refused, backend_notice, check_supported, install_excepthook
+from .support import Refused, backend_notice, check_supported, install_excepthook, torchtitan_missing
 
 __all__ = ["ragged_model_spec", "fully_shard_for_torchtitan", "check_supported", "Refused", "MODELS", "CONFIGS"]
 
@@ -127,5 +127,14 @@ def _register_configs() -> dict[str, Any]:
     return out
 
 
-CONFIGS = _register_configs()
+# without torchtitan the package still imports (its commands answer --help and name the
+# extra); a config function asked for then raises the same sentence
+_MISSING = torchtitan_missing()
+CONFIGS = _register_configs() if _MISSING is None else {}
 globals().update(CONFIGS)
+
+
+def __getattr__(name: str):
+    if _MISSING is not None and not name.startswith("__"):
+        raise ModuleNotFoundError(f"{name}: {_MISSING}", name="torchtitan")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

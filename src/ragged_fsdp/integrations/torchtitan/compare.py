@@ -37,6 +37,7 @@ import torch
 
 from ragged_fsdp.integrations.torchtitan.assets import make_assets
 from ragged_fsdp.integrations.torchtitan.cpu import cpu_defaults, log_on_rank_zero, patch_for_cpu
+from ragged_fsdp.integrations.torchtitan.support import torchtitan_missing
 
 __all__ = ["RunResult", "build_config", "train", "registries", "config_pair", "rel", "compare_runs",
            "compare", "format_table", "main"]
@@ -365,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    missing = torchtitan_missing()
+    if missing is not None:  # before torchrun starts ranks that would each print a traceback
+        print(f"compare: {missing}", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="ragged_tt_compare_") as tmp:
         if args.work_dir is None:
             argv += ["--work-dir", tmp]

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 from .assets import make_assets
+from .support import torchtitan_missing
 
 __all__ = ["patch_for_cpu", "cpu_defaults", "log_on_rank_zero", "main"]
 
@@ -247,12 +248,20 @@ def _is_terminal(stream) -> bool:
         return False
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """``torchtitan.train.main`` on CPU: the stand-ins, then torchtitan's own entry point."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    missing = torchtitan_missing()
+    if missing is not None:  # torchtitan's own --help is what answers when it is installed
+        if "-h" in argv or "--help" in argv:
+            print("usage: torchrun --nproc_per_node N -m ragged_fsdp.integrations.torchtitan.cpu "
+                  "[torchtitan.train arguments]\n\n" + missing)
+            return 0
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     from torchtitan import train
     from torchtitan.config import manager
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     patch_for_cpu()
     load = manager.ConfigManager._load_config
 
@@ -274,7 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         manager.ConfigManager._load_config = load
         train.init_logger = init_logger
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,9 +18,21 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["Refused", "check_supported", "backend_notice", "PREFIX"]
+__all__ = ["Refused", "check_supported", "backend_notice", "PREFIX", "INSTALL", "torchtitan_missing"]
 
 PREFIX = "ragged_fsdp.integrations.torchtitan"
+INSTALL = "pip install torch==2.13.0 -e '.[torchtitan]'"  # the extra that brings torchtitan (from a checkout)
+
+
+def torchtitan_missing() -> str | None:
+    """None when torchtitan imports; otherwise the sentence a command prints instead of a
+    traceback (the package and its commands import without torchtitan, so that ``--help``
+    answers and the message names the extra)."""
+    try:
+        import torchtitan  # noqa: F401
+    except ImportError as e:  # torchtitan itself, or what it imports at start-up (triton)
+        return f"{PREFIX} needs torchtitan 0.3.0, which does not import here ({e}); install the torchtitan extra: {INSTALL}"
+    return None
 
 
 class Refused(NotImplementedError):

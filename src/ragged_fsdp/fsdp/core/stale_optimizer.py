@@ -1,0 +1,66 @@
+"""Catch an optimizer built before ``fully_shard``: it holds the parameters ``fully_shard``
+replaced, whose gradients never arrive, so every step moves nothing and nothing says so
+(torch's FSDP2 has the same trap).
+
+``fully_shard`` remembers each parameter it replaced with a sharded one (weakly: the
+record goes when the old parameter does) and registers, once per process, a global
+optimizer step pre-hook. The hook checks an optimizer's parameters against that record the
+first time it steps, and again only after another ``fully_shard`` call replaced parameters
+or the optimizer got another param group; every other step costs one attribute read and a
+tuple comparison. :func:`check_optimizer` is the same check for callers that hold an
+optimizer without stepping it (``TrainState`` before a save or load).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["remember_replaced", "check_optimizer", "StaleOptimizerError"]
+
+_replaced = WeakIdKeyDictionary()  # an old parameter -> how to name it
+_generation = 0  # bumped by every fully_shard call that replaced a parameter
+_hook = None
+_CHECKED = "_ragged_fsdp_checked"  # on an optimizer: (_generation, param groups) it passed at
+
+
+class StaleOptimizerError(RuntimeError):
+    """An optimizer holds parameters that ``fully_shard`` replaced: it was built too early."""
+
+
+def remember_replaced(old: torch.nn.Parameter, name: str) -> None:
+    """``fully_shard`` replaced ``old`` (called ``name`` in errors) with a sharded parameter."""
+    global _generation, _hook
+    _replaced[old] = name
+    _generation += 1
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_pre_step)
+
+
+def check_optimizer(opt: torch.optim.Optimizer) -> None:
+    """Raise :class:`StaleOptimizerError` naming the first parameter of ``opt`` that a
+    ``fully_shard`` call replaced."""
+    if not len(_replaced):
+        return
+    for k, group in enumerate(opt.param_groups):
+        names = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            name = _replaced.get(p)
+            if name is None:
+                continue
+            given = f" (its param group calls it {names[i]!r})" if names is not None and i < len(names) else ""
+            raise StaleOptimizerError(
+                f"ragged_fsdp: {type(opt).__name__} holds parameter {name}{given} in param group {k}, which "
+                "fully_shard replaced with a sharded parameter: this optimizer would never see a gradient and "
+                "train nothing. Build the optimizer after fully_shard (after the last call, on the root), e.g. "
+                "opt = torch.optim.AdamW(model.parameters()); the same for param-group helpers such as "
+                "muon_param_groups(model)")
+
+
+def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    key = (_generation, len(opt.param_groups))
+    if opt.__dict__.get(_CHECKED) == key:
+        return
+    check_optimizer(opt)
+    opt.__dict__[_CHECKED] = key
