@@ -60,6 +60,27 @@ class Bnb4Stats:
     nested_dtype: torch.dtype | None = None
     nested_code: torch.Tensor | None = None  # nested_quant_map
     offset: torch.Tensor | None = None  # 0-d, the mean absmax
+    # the packed JSON a sharded state dict holds (one tensor, so in-place loads write into it),
+    # and a copy of it as last applied: a gather refuses to run while the two differ
+    blob: torch.Tensor | None = None
+    applied: torch.Tensor | None = None
+
+    def refresh_blob(self) -> torch.Tensor:
+        packed = pack_blob(self.as_json())
+        if self.blob is None:
+            self.blob = packed
+        else:
+            self.blob.copy_(packed)
+        self.applied = packed.clone()
+        return self.blob
+
+    def check_applied(self) -> None:
+        if self.blob is not None and not torch.equal(self.blob, self.applied):
+            raise RuntimeError(
+                f"ragged_fsdp: a bitsandbytes 4-bit weight's {self.blob_key()!r} was loaded in place (dcp.load, "
+                "load_local) but not applied: its offset and quantisation are read from it by load_state_dict. "
+                "Call model.load_state_dict(state_dict) after the in-place load (or load through "
+                "set_model_state_dict / TrainState)")
 
     @property
     def nested(self) -> bool:
@@ -204,6 +225,7 @@ class BnB4Weight(torch.Tensor):
 
     # -- the FSDP2 all-gather protocol -----------------------------------------------------
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        self.stats.check_applied()
         # the codes travel as bytes whatever their storage dtype: never as numbers
         return tuple(t.reshape(-1).view(torch.uint8) if t is self.codes else t for t in self.inner()), (
             tuple(outer_size), self.stats)

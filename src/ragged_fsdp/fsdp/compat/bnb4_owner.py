@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.placement import RaggedDTensor, RaggedShard, from_local
 from ragged_fsdp.placement.dtensor import wrap
-from ragged_fsdp.quant.bnb4 import STAT_KEYS, BnB4Weight, check_blob, pack_blob, unpack_blob
+from ragged_fsdp.quant.bnb4 import STAT_KEYS, BnB4Weight, check_blob, unpack_blob
 
 __all__ = ["attach_bnb4"]
 
@@ -51,7 +51,7 @@ class ShardedQuantState:
         d = {"absmax": self.absmax, "quant_map": s.code}
         if s.nested:
             d.update(nested_absmax=self.nested_absmax, nested_quant_map=s.nested_code)
-        d[s.blob_key()] = pack_blob(s.as_json())
+        d[s.blob_key()] = s.blob
         return d
 
     def __getattr__(self, name):
@@ -89,6 +89,7 @@ def attach_bnb4(sharded: nn.Parameter, piece: BnB4Weight, slot, owners, mesh, wo
     if stats.nested:
         nested_ranges = [stats.nested_blocks(a, b) if b > a else (0, 0) for a, b in blocks]
         nested = _ragged(piece.nested_absmax, mesh, [b - a for a, b in nested_ranges])
+    stats.refresh_blob()
     qs = ShardedQuantState(stats, absmax, nested)
     sharded.quant_state = qs
     sharded.absmax, sharded.quant_map = absmax, stats.code
@@ -171,3 +172,4 @@ def _load_stats(name, sharded, piece, layout, module, state_dict, prefix, local_
                 dst.copy_(src)
         if stats.nested:
             stats.offset.fill_(float(saved["nested_offset"]))
+        stats.refresh_blob()
