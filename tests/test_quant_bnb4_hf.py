@@ -43,7 +43,8 @@ def _load():
                            bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)
     m = AutoModelForCausalLM.from_pretrained(os.environ["BNB4_HF_BASE"], quantization_config=q, dtype=torch.float32)
     torch.manual_seed(1)
-    return get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights="gaussian"))
+    return get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                        init_lora_weights="gaussian")).train()  # from_pretrained: eval mode
 
 
 def _data(step):
@@ -157,10 +158,9 @@ def case_trainer(rank, world):
                 return data[i]
 
         trainer = Trainer(model=_load(), args=args, train_dataset=Ordered())
-        # the 2 ranks' sampler shards of each global batch of 4 must be the reference's batch:
-        # rank r takes rows r, r + 2 of it (a DistributedSampler without shuffling)
-        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.distributed.DistributedSampler(
-            Ordered(), num_replicas=world, rank=rank, shuffle=False)
+        # in order: accelerate then gives rank r every 2nd batch of 2 from r on, so each step's
+        # 2 x 2 rows are the reference's batch of 4
+        trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(Ordered())
         out = trainer.train()
         _check_sharded(trainer.model_wrapped if hasattr(trainer, "model_wrapped") else trainer.model)
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
