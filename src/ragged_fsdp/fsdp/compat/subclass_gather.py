@@ -30,7 +30,10 @@ sharded parameter's ``.grad`` is a plain RaggedShard DTensor of its rows (the op
 updates the subclass piece through the subclass's own ops). Such units are never reduced
 early (their unsharded data is not one flat buffer that the early-reduction watch can see).
 
-torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
+bitsandbytes' ``Params4bit`` (Hugging Face 4-bit models) is adopted on the way in as a
+:class:`~ragged_fsdp.quant.bnb4.BnB4Weight` (its codes with their absmax, in whole
+quantisation blocks; gathered back into a ``Params4bit``), wired into its ``Linear4bit`` by
+``bnb4_owner.py``. torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
 codes, scalers and factors, and the same dequantisation): its ops split only into equal pieces
 and its one-argument ``fsdp_pre_all_gather`` rebuilds the shape as local rows x world size,
 neither of which fits pieces of different sizes. ``load_state_dict(assign=True)`` of a subclass
