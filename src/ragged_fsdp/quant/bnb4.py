@@ -365,12 +365,13 @@ def load_bnb4_state_dict(model, state_dict: dict, strict: bool = True):
         got = {k: sd.pop(prefix + "weight." + k, None) for k in STAT_KEYS}
         if key not in sd:
             continue
+        if blob is not None:  # first: another quantisation also lacks or adds statistic keys
+            check_blob(key + "." + stats.blob_key(), unpack_blob(_full(blob)), stats)
         need = ("absmax", "quant_map") + (("nested_absmax", "nested_quant_map") if stats.nested else ())
         missing = [k for k in need if got[k] is None] + ([stats.blob_key()] if blob is None else [])
         if missing:
             raise ValueError(f"cannot load {key!r} without its bitsandbytes statistics {missing}: its codes mean "
                              "nothing under another weight's absmax")
-        check_blob(key + "." + stats.blob_key(), unpack_blob(_full(blob)), stats)
         qs = w.quant_state
         pairs = [(qs.absmax, got["absmax"]), (qs.code, got["quant_map"])]
         if stats.nested:

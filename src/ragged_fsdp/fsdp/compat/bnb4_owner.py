@@ -149,6 +149,8 @@ def _load_stats(name, sharded, piece, layout, module, state_dict, prefix, local_
     blob = state_dict.pop(blob_key, None)
     if key not in state_dict:
         return
+    if blob is not None:  # first: another quantisation also lacks or adds statistic keys
+        check_blob(blob_key, unpack_blob(blob.full_tensor() if isinstance(blob, DTensor) else blob), stats)
     need = ("absmax", "quant_map") + (("nested_absmax", "nested_quant_map") if stats.nested else ())
     missing = [k for k in need if got[k] is None] + ([stats.blob_key()] if blob is None else [])
     if missing:
