@@ -30,7 +30,10 @@ sharded parameter's ``.grad`` is a plain RaggedShard DTensor of its rows (the op
 updates the subclass piece through the subclass's own ops). Such units are never reduced
 early (their unsharded data is not one flat buffer that the early-reduction watch can see).
 
-torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
+bitsandbytes' ``Params4bit`` (Hugging Face 4-bit models) is adopted on the way in as a
+:class:`~ragged_fsdp.quant.bnb4.BnB4Weight` (its codes with their absmax, in whole
+quantisation blocks; gathered back into a ``Params4bit``), wired into its ``Linear4bit`` by
+``bnb4_owner.py``. torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
 codes, scalers and factors, and the same dequantisation): its ops split only into equal pieces
 and its one-argument ``fsdp_pre_all_gather`` rebuilds the shape as local rows x world size,
 neither of which fits pieces of different sizes. ``load_state_dict(assign=True)`` of a subclass
@@ -51,6 +54,9 @@ from torch.distributed.tensor import DTensor
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.planner.granularity import Granularity
+from ragged_fsdp.quant.bnb4 import BnB4Weight
+
+from .bnb4_owner import attach_bnb4
 
 from .. import tracing as trace
 from ..comms.collectives import _all_gather_single
@@ -132,6 +138,8 @@ def build_subclass_unit(group, index, dp, layout, items, mp_policy, post_forward
         piece = _rows_of(name, data, r0, r1)
         sharded = make_sharded_param(piece, pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
                                      tuple(p.shape), p.requires_grad)
+        if isinstance(piece, BnB4Weight):
+            attach_bnb4(sharded, piece, s, owners, pl.mesh, dp.shard.world_size)
         info = ParamInfo(name, index, j, owners, sharded)
         info.register(sharded)
         infos.append(info)  # the unit's own list: it holds every info before any is read
@@ -147,6 +155,10 @@ def adopt_foreign(data: torch.Tensor) -> torch.Tensor:
     """torchao's ``NF4Tensor`` as an :class:`~ragged_fsdp.quant.nf4.NF4Weight` (see the module
     docstring); any other tensor as it is. Matched by name: torchao is not a dependency."""
     t = type(data)
+    if t.__name__ == "Params4bit" and t.__module__.startswith("bitsandbytes"):
+        from ragged_fsdp.quant.bnb4 import BnB4Weight
+
+        return BnB4Weight.from_params4bit(data)
     if t.__name__ == "NF4Tensor" and t.__module__.startswith("torchao."):
         from ragged_fsdp.quant.nf4 import NF4Weight
 
@@ -416,7 +428,9 @@ class SubclassUnit(Unit):
         # FSDP2 refills with out= the unsharded *parameter*: for a subclass, nn.Parameter(full)
         # is another wrapper over the same inner tensors, and hooks that refresh wrapper
         # attributes (torchao's float8 scale) must reach the one the module computes with
-        info.unsharded = nn.Parameter(full, requires_grad=False)
+        # a hook that returns a parameter (bitsandbytes' Params4bit, which layers read
+        # quant_state from) is used as it is: wrapping it again would drop its attributes
+        info.unsharded = full if isinstance(full, nn.Parameter) else nn.Parameter(full, requires_grad=False)
         self._full.append(info.unsharded)
         self._inner.append(tuple(inner))
 

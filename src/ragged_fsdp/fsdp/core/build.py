@@ -10,11 +10,13 @@ import torch.nn as nn
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
 from ragged_fsdp.placement import RaggedShard
+from ragged_fsdp.quant.bnb4 import is_params4bit
 
 from ..comms.collectives import Comm
 from ..comms.quant_gather import attach_quant, fp8_granularity
 from ..compat.extension import CommHooks
-from ..compat.subclass_gather import build_subclass_unit, check_extension, extension_granularity, is_extension
+from ..compat.subclass_gather import (adopt_foreign, build_subclass_unit, check_extension, extension_granularity,
+                                      is_extension)
 from .consistency import check_same_layout
 from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param
@@ -60,6 +62,8 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
     quant = group.all_gather_quant
     dp_index = {id(d): k for k, d in enumerate(group.dps)}
     for i, (name, p, owners) in enumerate(params):
+        if is_params4bit(placed[i].data):  # bitsandbytes' 4-bit weight: sharded as a BnB4Weight
+            placed[i].data = adopt_foreign(placed[i].data)
         if is_extension(name, placed[i].data):
             check_extension(name, p, placed[i])
             fp8 = "subclass"
