@@ -3,8 +3,8 @@ data-parallel world size.
 
 One launch per W (1, 2, 3, 4; the W=4 launch also runs HSDP 2x2): a tiny Llama with tied
 embeddings and odd shapes, V = 12 micro-batches per step, 5 steps with
-``deterministic.clip_grad_norm_``, for torch AdamW (foreach and single-tensor), AdamW8bit
-and Muon. Every launch writes the full parameters, optimizer states, norms and logged losses;
+``deterministic.clip_grad_norm_``, for torch AdamW (foreach and single-tensor), AdamW8bit,
+Muon (Shampoo: 2 steps). Every launch writes the full parameters, optimizer states, norms and logged losses;
 the last test compares them bitwise across W and against a single-process reference written
 with plain torch (autograd's own accumulation of the V backward passes, ``math.fsum`` for
 the norm): bitwise because the mode adds the micro-batches in autograd's order, one fp32
@@ -25,7 +25,8 @@ from _dist import check_case, run_cases
 
 ENV = "RAGGED_GLOBAL_ORDER_DIR"
 V, STEPS, SAVE_AT, MB, SEQ, MAX_NORM = 12, 5, 2, 2, 8, 0.5
-OPTS = ("adamw", "adamw_single", "adamw8bit", "muon")
+OPTS = ("adamw", "adamw_single", "adamw8bit", "muon", "shampoo")
+STEPS_OF = {"shampoo": 2}  # its eigendecompositions are most of this file's CPU time: 2 preconditioned steps
 
 
 def _cfg():
@@ -43,8 +44,10 @@ def _micro_batch(step: int, j: int):
 
 
 def _granularity(name, model):
-    from ragged_fsdp.optim import AdamW8bit, combined_granularity
+    from ragged_fsdp.optim import AdamW8bit, Shampoo, combined_granularity
 
+    if name == "shampoo":
+        return Shampoo.granularity_for(max_preconditioner_dim=32)
     if name == "adamw8bit":
         return AdamW8bit.granularity_for(block_size=64, min_8bit_size=256)
     if name == "muon":
@@ -53,7 +56,7 @@ def _granularity(name, model):
 
 
 def _optimizer(name, model):
-    from ragged_fsdp.optim import AdamW8bit, Muon, muon_param_groups
+    from ragged_fsdp.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
 
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -61,6 +64,8 @@ def _optimizer(name, model):
         return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     if name == "adamw8bit":
         return AdamW8bit(model.parameters(), lr=1e-2, block_size=64, min_8bit_size=256)
+    if name == "shampoo":
+        return Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=32)
     return Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 1e-2}))
 
 
@@ -128,7 +133,7 @@ def case_train(rank, world):
     """Every optimizer, 5 steps at this W."""
     for name in OPTS:
         model, opt = _build(name, _mesh(world))
-        _save(f"{name}_w{world}", _snapshot(model, opt, _train(model, opt, range(STEPS))))
+        _save(f"{name}_w{world}", _snapshot(model, opt, _train(model, opt, range(STEPS_OF.get(name, STEPS)))))
 
 
 def case_hsdp(rank, world):
@@ -274,3 +279,22 @@ def test_hsdp_equals_1d(outdir):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_checkpoint_replay(outdir, world):
     _same(_load(outdir, f"replay_w{world}"), _load(outdir, "replay_w4"), f"W=4 save, W={world} continuation")
+
+
+def test_exact_sum_of_squares_does_not_depend_on_the_split():
+    """The norm's sum: the same bits however the elements are split into tensors (ranks add
+    their partial sums the same way), within 1e-15 of ``math.fsum``; an fp32 sum of per-part
+    sums, as torch's clipping makes, does depend on the split (so the check can fail)."""
+    from ragged_fsdp.fsdp.deterministic import exact_sum_of_squares
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(10007, generator=g) * torch.logspace(-6, 6, 10007)).float()
+    want = math.fsum(v * v for v in x.double().tolist())
+    whole = exact_sum_of_squares([x], x.numel())
+    assert abs(float(whole) - want) <= 1e-15 * want
+    plain = set()
+    for sizes in ([10007], [1, 5000, 5006], [3333, 3334, 3340], [7] * 1429 + [4]):
+        parts = list(torch.split(x, sizes))
+        assert torch.equal(exact_sum_of_squares(parts, x.numel()), whole), sizes
+        plain.add(float(torch.stack([p.square().sum() for p in parts]).sum()))  # fp32, as torch's clip
+    assert len(plain) > 1
