@@ -191,9 +191,35 @@ def case_refusals(rank, world):
         global_order(m, micro_batches=V)
     with pytest.raises(ValueError, match="gradient_reduce"):
         global_order(fresh(gradient_reduce=GradientReduce(torch.bfloat16)), micro_batches=V)
+    if world > 1:
+        with pytest.raises(ValueError, match="different micro_batches"):
+            global_order(fresh(), micro_batches=V if rank == 0 else 2 * V)
 
 
-CASES = [case_train, case_hsdp, case_checkpoint, case_refusals]
+def case_refuses_expert_parallel(rank, world):
+    """EP token routing (experts sharded over an ep mesh dim): refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.models.expert_parallel import apply_expert_parallel
+    from ragged_fsdp.models.moe import MoE, MoEConfig
+
+    if world != 4:
+        return
+    torch.manual_seed(0)
+    model = MoE(MoEConfig.tiny(fused_experts=True, n_experts=8))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dp_ep = mesh["dp", "ep"]._flatten("dp_ep")
+    apply_expert_parallel(model, mesh["ep"])
+    for block in model.layers:
+        fully_shard(block.feed_forward.experts, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_ep)
+    fully_shard(model, mesh=dp_ep)
+    with pytest.raises(ValueError, match="TP/EP layout"):
+        global_order(model, micro_batches=V)
+
+
+CASES = [case_train, case_hsdp, case_checkpoint, case_refusals, case_refuses_expert_parallel]
 
 
 @pytest.fixture(scope="module")

@@ -62,16 +62,30 @@ def global_order(model: nn.Module, micro_batches: int) -> GlobalOrder:
     """Turn the global order on for every group under ``model`` (the root). Raises for
     what it cannot order (see :mod:`.core.global_order`); returns the policy."""
     order = GlobalOrder(micro_batches)
-    dp = _dp(model)
-    order.micro_steps(dp.size)
     groups = _groups(model)
-    for g in groups:
+    for g in groups:  # first: an EP layout is refused by name, not as "two meshes"
         for u in g.units:
             if u.trainable:
                 check_unit(u, g.gradient_reduce)
+    dp = _dp(model)
+    order.micro_steps(dp.size)
+    _agree(dp, micro_batches)
     for g in groups:
         g.set_global_order(order)
     return order
+
+
+def _agree(dp, micro_batches: int) -> None:
+    """Every data-parallel rank passed the same ``micro_batches`` (a mismatch would deal
+    micro-batches out differently and hang or mis-pair the step's collectives)."""
+    mine = torch.tensor([micro_batches, -micro_batches], dtype=torch.int64)
+    got = mine.clone()
+    for comm in (dp.shard, dp.replicate):
+        if comm is not None and comm.world_size > 1:
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=comm.host_group)
+    if got[0] != -got[1]:
+        raise ValueError(f"global_order: the data-parallel ranks passed different micro_batches (from {-int(got[1])} "
+                         f"to {int(got[0])}; this rank {micro_batches}); pass the same V on every rank")
 
 
 def _order_of(model: nn.Module) -> GlobalOrder:
