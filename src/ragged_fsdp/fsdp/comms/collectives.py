@@ -25,6 +25,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from ..compat.extension import adopt_memory, checked_alloc, checked_work
 from .device import Device, Pending
+from .landing import land
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 
@@ -160,29 +161,10 @@ def _sum_pieces(pieces: torch.Tensor, own: torch.Tensor, target: torch.Tensor, a
         else:
             torch.sum(pieces, dim=0, out=target)
             target.add_(own)
-        target.mul_(1.0 / factor)
+        land(target, target, False, factor)
         return
     total = pieces[0] + own if pieces.shape[0] == 1 else torch.sum(pieces, dim=0).add_(own)
-    _land(total, target, accumulate, factor, scratch=True)
-
-
-def _land(reduced: torch.Tensor, target: torch.Tensor, accumulate: bool, factor: float,
-          scratch: bool = False) -> None:
-    """``target (+)= reduced / factor``. When the dtypes differ the divide runs in the
-    reduce dtype and the cast comes last (one rounding to the target's dtype); ``scratch``:
-    ``reduced`` may be overwritten."""
-    scale = 1.0 / factor
-    if reduced.dtype == target.dtype:
-        if accumulate:
-            target.add_(reduced, alpha=scale)
-        else:
-            target.copy_(reduced)
-            if scale != 1.0:
-                target.mul_(scale)
-        return
-    if scale != 1.0:
-        reduced = reduced.mul_(scale) if scratch else reduced * scale
-    target.add_(reduced) if accumulate else target.copy_(reduced)
+    land(total, target, accumulate, factor, scratch=True)
 
 
 def reduce_scatter(
@@ -206,7 +188,7 @@ def reduce_scatter(
     factor = float(divide_factor or W)
 
     def finish(reduced: torch.Tensor, already_scaled: bool, scratch: bool = True) -> None:
-        _land(reduced, target, accumulate, 1.0 if already_scaled else factor, scratch=scratch)
+        land(reduced, target, accumulate, 1.0 if already_scaled else factor, scratch=scratch)
 
     if W == 1:
         return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False, scratch=False), keep=(grad, target),
@@ -222,11 +204,8 @@ def reduce_scatter(
                 async_op)
 
         def post_custom():
-            if direct:
-                if factor != 1.0:
-                    target.mul_(1.0 / factor)
-            else:
-                finish(out, False, scratch=False)  # the comm's own memory: left as it reduced it
+            # not direct: the comm's own memory, left as it reduced it (no scratch)
+            land(out, target, accumulate, factor, scratch=False)
 
         return device.launch(lane, issue_custom, post=post_custom, keep=(grad, out, target), out=(out, target))
 
@@ -259,7 +238,7 @@ def reduce_scatter(
 
         def post():
             if into_target:
-                target.add_(own).mul_(1.0 / factor)
+                land(target.add_(own), target, False, factor)
             else:
                 _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
 

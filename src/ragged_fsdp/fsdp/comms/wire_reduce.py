@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ragged_fsdp.quant.grad_wire import GradientReduce, WireBlocks, dequantize, quantize, sum_pieces, wire_blocks
 from ragged_fsdp.quant.wire_residual import Residual
 
-from .collectives import Comm, _Both, _land
+from .collectives import Comm, _Both
+from .landing import land
 from .device import Device, Pending
 
 __all__ = ["WireState", "wire_reduce_scatter", "check_wire_reduce_dtype"]
@@ -102,7 +103,7 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
             lengths = state.mine.repeat(W)
             deq = dequantize(pieces.reshape(-1), recv_scale, lengths, grad.dtype, fmt).view(W, S)
         deq[r].copy_(own)
-        _land(sum_pieces(deq), target, accumulate, factor, scratch=True)
+        land(sum_pieces(deq), target, accumulate, factor, scratch=True)
 
     keep = (grad, codes, recv_codes, target) + (() if scale is None else (scale, recv_scale))
     return device.launch(lane, issue, post=post, keep=keep, out=(recv_codes, target))

@@ -49,6 +49,7 @@ from .build import build_units
 from .common import ShardedState, TrainingState
 from .mesh_info import DPMesh, ParamPlacement
 from .moving import adopt_locals, adopt_registered
+from .global_order import refuse
 from .reduction import Settings
 from .unit import ParamInfo, Unit
 
@@ -103,6 +104,7 @@ class ParamGroup:
         self.needs = BackwardNeeds(self)
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self.gradient_reduce = gradient_reduce  # a GradientReduce (wire format, fp32 sum) or None
+        self.global_order = None  # a GlobalOrder (ragged_fsdp.global_order) or None
         self.hooks = CommHooks()  # set_custom_all_gather / _reduce_scatter, set_all_reduce_hook
         self.post_optim_event = None  # set_post_optim_event: the next all-gather waits on it
         self.on_host = None  # what offload_to_host moved to the host (see offload/phase.py), until load_to_device
@@ -122,7 +124,7 @@ class ParamGroup:
         return [u.buf for u in self.units]
 
     def settings(self) -> Settings:
-        return Settings(self.gradient_divide_factor, self.requires_all_reduce, self.gradient_reduce)
+        return Settings(self.gradient_divide_factor, self.requires_all_reduce, self.gradient_reduce, self.global_order)
 
     # -- what the public setters, the root and the phase switch change ---------------------
     def join_root(self, ctx, fqn: str) -> None:
@@ -137,10 +139,24 @@ class ParamGroup:
         self.reshard_after_backward = value
 
     def set_reduce_grads(self, value: bool) -> None:
+        if not value and self.global_order is not None:
+            raise refuse("set_requires_gradient_sync(False)", self._describe(),
+                         "keep gradient sync on: under global order every micro-step's backward reduces, and the "
+                         "step's gradients land after its last one")
         self.reduce_grads = value
 
     def set_requires_all_reduce(self, value: bool) -> None:
+        if not value and self.global_order is not None:
+            raise refuse("set_requires_all_reduce(False)", self._describe(),
+                         "keep it True: under global order every micro-step reduces over all data-parallel ranks")
         self.requires_all_reduce = value
+
+    def set_global_order(self, order) -> None:
+        """Turn the global order on (a GlobalOrder) or off (None); checked by the caller."""
+        if order is not None and not (self.reduce_grads and self.requires_all_reduce):
+            raise refuse("gradient sync turned off (set_requires_gradient_sync / set_requires_all_reduce(False))",
+                         self._describe(), "turn it back on before global_order")
+        self.global_order = order
 
     def set_unshard_in_backward(self, value: bool | None) -> None:
         self.unshard_in_backward = value

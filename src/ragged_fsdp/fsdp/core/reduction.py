@@ -45,9 +45,12 @@ from ragged_fsdp.quant.grad_wire import GradientReduce, wire_bytes
 from .. import tracing as trace
 from ..comms.collectives import all_reduce, reduce_scatter
 from ..comms.device import Device, Pending
+from ..comms.landing import land
+from ..comms.ordered_reduce import ordered_reduce
 from ..comms.wire_reduce import wire_reduce_scatter
 from ..compat.extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
 from ..offload.staging import grads_to_host
+from .global_order import Fold, GlobalOrder, check_unit
 from .mesh_info import DPMesh
 from .unit import Unit
 
@@ -160,9 +163,7 @@ def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor
     def run() -> None:
         if not _run_hook(hook, out, unit, failed):
             return
-        if out is not target:
-            src = out if out.dtype == target.dtype else out.to(target.dtype)
-            target.add_(src) if accumulate else target.copy_(src)
+        land(out, target, accumulate, cast_first=True)
 
     lane = HOOK_LANE if hooks.hook_stream is not None else "all_reduce"
     return dev.launch(lane, lambda async_op: None, post=run, keep=(out, target), after=after, out=(target,))
@@ -175,6 +176,7 @@ class Settings:
     divide_factor: float | None = None
     requires_all_reduce: bool = True
     wire: GradientReduce | None = None  # fully_shard(gradient_reduce=...): low-precision pieces, fp32 sum
+    order: GlobalOrder | None = None  # ragged_fsdp.global_order: the step's sum in one order at any W
 
 
 def _sent_bytes(unit: Unit, grad: torch.Tensor, settings: Settings) -> int:
@@ -208,6 +210,7 @@ class Reductions:
     in_flight: list = field(default_factory=list)  # Reduction | PartialSum, issue order
     issued: list[Reduction] = field(default_factory=list)  # this backward's, to hand out
     hook_failures: list[HookFailure] = field(default_factory=list)  # this backward's, raised at hand-out
+    folds: dict[int, Fold] = field(default_factory=dict)  # global order: id(unit) -> the step's running sum
 
     # -- the queue ---------------------------------------------------------------------
     def retire(self, keep: int = 0) -> None:
@@ -222,10 +225,12 @@ class Reductions:
             r.wait()
 
     def clear(self) -> None:
-        """Wait for everything and drop this backward's states (``reset_iter_state``)."""
+        """Wait for everything and drop this backward's states (a step that raised). Global
+        order: the step's running sums go too (its micro-steps must all run again)."""
         self.wait_all()
         self.issued = []
         self.hook_failures = []
+        self.folds = {}
 
     def forget(self) -> None:
         """Drop this backward's states without waiting (a backward that raised: its
@@ -274,6 +279,8 @@ class Reductions:
         prev = self._take_earlier(unit)
         if prev is not None:  # late gradients of an early-reduced unit: add them in
             touched = [x or y for x, y in zip(touched, prev.touched)]
+        if settings.order is not None:
+            return self._reduce_global(dev, unit, grad, touched, settings, prev, early)
         if dp.replicate is not None:
             return self._reduce_hsdp(dev, unit, grad, touched, settings, prev, early)
         factor = settings.divide_factor
@@ -356,27 +363,51 @@ class Reductions:
                 partial.mul_(1.0 / factor)
                 if not _run_hook(hook, partial, unit, failed):
                     return
-                if existing:
-                    target.add_(partial.to(target.dtype))
-                elif partial is not target:
-                    target.copy_(partial)
-                return
-            # the divide runs in the reduce dtype (partial's), the cast into the grads' dtype last
-            if existing:
-                if partial.dtype == target.dtype:
-                    target.add_(partial, alpha=1.0 / factor)
-                else:
-                    target.add_(partial.mul_(1.0 / factor))
-                return
-            partial.mul_(1.0 / factor)
-            if partial is not target:
-                target.copy_(partial)
+                land(partial, target, bool(existing), cast_first=True)
+            else:
+                land(partial, target, bool(existing), factor, scratch=True)
 
         keep = (partial, target) + ((earlier,) if earlier is not None else ())
         second = all_reduce(dev, dp.replicate, partial, pre=before, post=after, after=first, keep=keep, out=(target,))
         self._add(Reduction(unit, first, target, touched, had, dp, early=early, replicate=second,
                             sent=_sent_bytes(unit, grad, settings)))
         trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
+
+    def _reduce_global(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
+                       prev: Reduction | None, early: bool) -> None:
+        """Global order (:mod:`.global_order`): fold this micro-step's pieces into the
+        unit's running sum; the step's last micro-step lands it in the sharded grads."""
+        check_unit(unit, settings.wire)
+        if prev is not None:
+            raise RuntimeError(
+                f"ragged_fsdp.global_order: {unit!r} got gradients after its early reduction in the same backward "
+                "(a parameter used after its owner module ran), so this micro-step would be folded in two parts; "
+                "wrap the module that uses it in the same fully_shard as its owner")
+        dp, order = unit.dp, settings.order
+        steps = order.micro_steps(dp.size)
+        fold = self.folds.get(id(unit))
+        first = fold is None
+        if first:
+            fold = self.folds[id(unit)] = Fold(torch.empty(unit.buf.segment, dtype=torch.float32, device=grad.device),
+                                               0, touched)
+        else:
+            fold.touched = [x or y for x, y in zip(fold.touched, touched)]
+        fold.done += 1
+        if fold.done < steps:
+            scatter, second = ordered_reduce(dev, dp.shard, dp.replicate, grad, fold.acc, first, None)
+            self.in_flight.append(PartialSum(unit, scatter, (second.wait if second is not None else lambda: None)))
+            trace.record("reduce_scatter", unit, fold.acc.numel() * 4, early=early)
+            return
+        del self.folds[id(unit)]
+        had, existing = unit.existing_grads()
+        if existing:
+            target, accumulate = unit.accumulation_target(existing), True
+        else:
+            target, accumulate = unit.buf.new_sharded_grad(), False
+        factor = float(settings.divide_factor or order.micro_batches)
+        scatter, second = ordered_reduce(dev, dp.shard, dp.replicate, grad, fold.acc, first,
+                                         (target, accumulate, factor))
+        self._add(Reduction(unit, scatter, target, fold.touched, had, dp, early=early, replicate=second))
 
     # -- the end of backward -------------------------------------------------------------
     def hand_out(self, groups: list[HandedOut]) -> None:

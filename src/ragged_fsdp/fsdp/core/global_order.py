@@ -1,0 +1,84 @@
+"""The global-order mode's policy and its per-unit running sum (see
+:mod:`..comms.ordered_reduce` for the order and ``ragged_fsdp.fsdp.deterministic`` for the
+user's entry point).
+
+A step is ``V`` micro-batches; rank ``d`` of ``W`` data-parallel ranks runs micro-batches
+``d, d + W, ...`` as its micro-steps ``0 .. V/W - 1``, and every micro-step's backward
+reduces (no ``no_sync``). Each trainable unit keeps one :class:`Fold` while a step is
+running: the fp32 accumulator of its segment, how many micro-steps it folded, and which
+slots got a gradient. The step's last micro-step lands ``acc / V`` in the sharded grads and
+hands them out; the earlier ones leave the sharded grads as they are (like HSDP's
+``set_requires_all_reduce(False)``).
+
+What it refuses, and why (each raises naming the group and the fix):
+
+* ``W`` not dividing ``V``: the micro-batch -> (rank, micro-step) map needs equal shares;
+* ``set_requires_gradient_sync(False)``: a rank would sum its own micro-steps first
+  (rank-major), which is the order this mode exists to avoid;
+* ``set_requires_all_reduce(False)`` (HSDP): same, over the replicate dim;
+* a custom reduce-scatter or an all-reduce hook: they sum (or see) a rank-order-dependent
+  result; ``gradient_reduce=GradientReduce(...)``: its pieces are rounded to a wire dtype
+  (the mode sends fp32 pieces);
+* TP/EP layouts (parameters that are DTensors beyond the data-parallel dims, e.g. expert
+  parallelism's token routing): their gradients come through collectives of their own whose
+  order the mode does not control;
+* gradients arriving after a unit's early reduction in the same backward (a parameter used
+  after its owner module's backward): its micro-step would be folded in two parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GlobalOrder", "Fold", "check_unit", "refuse"]
+
+
+@dataclass(frozen=True)
+class GlobalOrder:
+    """``micro_batches``: ``V``, the micro-batches per optimizer step (fixed size each)."""
+
+    micro_batches: int
+
+    def __post_init__(self):
+        if isinstance(self.micro_batches, bool) or not isinstance(self.micro_batches, int) or self.micro_batches < 1:
+            raise ValueError(f"global_order: micro_batches must be a positive int, got {self.micro_batches!r}")
+
+    def micro_steps(self, world: int) -> int:
+        """Micro-steps per step on each of ``world`` data-parallel ranks."""
+        if self.micro_batches % world:
+            raise ValueError(
+                f"global_order(micro_batches={self.micro_batches}): the data-parallel world size {world} does not "
+                f"divide it, so micro-batches cannot be dealt out equally; use a micro_batches that {world} divides "
+                f"(e.g. {world * max(1, self.micro_batches // world)})")
+        return self.micro_batches // world
+
+
+@dataclass(eq=False)
+class Fold:
+    """One unit's running sum over the micro-steps of the step in progress."""
+
+    acc: torch.Tensor  # fp32, one segment
+    done: int  # micro-steps issued into it
+    touched: list[bool]  # per slot: got a gradient on this rank in any micro-step
+
+
+def refuse(what: str, group: str, fix: str) -> ValueError:
+    return ValueError(f"ragged_fsdp.global_order: {what} ({group}) would make the gradient sum depend on the "
+                      f"world size; {fix}")
+
+
+def check_unit(unit, wire) -> None:
+    """Refuse what the mode cannot order (see the module docstring)."""
+    name = unit.group_name()
+    hooks = unit.hooks
+    if hooks.reduce_scatter is not None:
+        raise refuse("set_custom_reduce_scatter", name, "remove the custom reduce-scatter")
+    if hooks.all_reduce_hook is not None:
+        raise refuse("set_all_reduce_hook", name, "remove the hook (or run it on the gradients after backward)")
+    if wire is not None:
+        raise refuse("fully_shard(gradient_reduce=...)", name, "pass gradient_reduce=None (the mode sends fp32 pieces)")
+    if any(i.unsharded_spec is not None for i in unit.infos):
+        raise refuse("a TP/EP layout (parameters that are DTensors beyond the data-parallel dims, e.g. expert "
+                     "parallel token routing)", name, "use data parallelism only for these parameters")

@@ -1,0 +1,326 @@
+"""``ragged_fsdp.global_order``: a training step whose result is the same bits at every
+data-parallel world size.
+
+One launch per W (1, 2, 3, 4; the W=4 launch also runs HSDP 2x2): a tiny Llama with tied
+embeddings and odd shapes, V = 12 micro-batches per step, 5 steps with
+``deterministic.clip_grad_norm_``, for torch AdamW (foreach and single-tensor), AdamW8bit,
+Muon (Shampoo: 2 steps). Every launch writes the full parameters, optimizer states, norms and logged losses;
+the last test compares them bitwise across W and against a single-process reference written
+with plain torch (autograd's own accumulation of the V backward passes, ``math.fsum`` for
+the norm): bitwise because the mode adds the micro-batches in autograd's order, one fp32
+add each, and the norm's exact sum rounds once. The W=4 launch saves a checkpoint after
+step 2; the others load it and continue: bitwise W=4's continuation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import check_case, run_cases
+
+ENV = "RAGGED_GLOBAL_ORDER_DIR"
+V, STEPS, SAVE_AT, MB, SEQ, MAX_NORM = 12, 5, 2, 2, 8, 0.5
+OPTS = ("adamw", "adamw_single", "adamw8bit", "muon", "shampoo")
+STEPS_OF = {"shampoo": 2}  # its eigendecompositions are most of this file's CPU time: 2 preconditioned steps
+
+
+def _cfg():
+    from ragged_fsdp.models.llama import LlamaConfig
+
+    # odd shapes: vocab 97, ffn 75; tied embeddings (one parameter used twice)
+    return LlamaConfig(vocab_size=97, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=75, max_seq_len=SEQ,
+                       tie_embeddings=True)
+
+
+def _micro_batch(step: int, j: int):
+    g = torch.Generator().manual_seed(1000 * step + j)
+    data = torch.randint(0, 97, (MB, SEQ + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def _granularity(name, model):
+    from ragged_fsdp.optim import AdamW8bit, Shampoo, combined_granularity
+
+    if name == "shampoo":
+        return Shampoo.granularity_for(max_preconditioner_dim=32)
+    if name == "adamw8bit":
+        return AdamW8bit.granularity_for(block_size=64, min_8bit_size=256)
+    if name == "muon":
+        return combined_granularity(model)
+    return None
+
+
+def _optimizer(name, model):
+    from ragged_fsdp.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    if name == "adamw_single":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    if name == "adamw8bit":
+        return AdamW8bit(model.parameters(), lr=1e-2, block_size=64, min_8bit_size=256)
+    if name == "shampoo":
+        return Shampoo(model.parameters(), lr=1e-2, max_preconditioner_dim=32)
+    return Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 1e-2}))
+
+
+def _build(name, mesh):
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(_cfg())
+    gran = _granularity(name, model)
+    kw = {} if gran is None else {"granularity_fn": gran}
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    global_order(model, micro_batches=V)
+    return model, _optimizer(name, model)
+
+
+def _train(model, opt, steps):
+    from ragged_fsdp.fsdp import deterministic as det
+
+    out = []
+    for step in steps:
+        losses = []
+        for j in det.micro_batches(model):
+            loss = model.loss(*_micro_batch(step, j))
+            loss.backward()
+            losses.append(loss.detach())
+        norm = det.clip_grad_norm_(model, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        out.append((norm.item(), det.mean_loss(model, losses).item()))
+    return out
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _snapshot(model, opt, log):
+    params = {k: _full(p.detach()).clone() for k, p in model.named_parameters()}
+    names = {id(p): k for k, p in model.named_parameters()}
+    states = {}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                states[f"{names[id(p)]}.{k}"] = _full(v).clone()
+    return {"params": params, "states": states, "log": log}
+
+
+def _save(tag, snap):
+    if dist.get_rank() == 0:
+        torch.save(snap, os.path.join(os.environ[ENV], f"{tag}.pt"))
+
+
+def _mesh(world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world,))
+
+
+def case_train(rank, world):
+    """Every optimizer, 5 steps at this W."""
+    for name in OPTS:
+        model, opt = _build(name, _mesh(world))
+        _save(f"{name}_w{world}", _snapshot(model, opt, _train(model, opt, range(STEPS_OF.get(name, STEPS)))))
+
+
+def case_hsdp(rank, world):
+    """HSDP 2x2 (replicate x shard), AdamW: compared with 1-D W=4 and W=1."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world != 4:
+        return
+    model, opt = _build("adamw", init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")))
+    _save("hsdp_2x2", _snapshot(model, opt, _train(model, opt, range(STEPS))))
+
+
+def case_checkpoint(rank, world):
+    """W=4 saves after step SAVE_AT and continues; other W load that save and continue."""
+    import ragged_fsdp.checkpoint as ck
+
+    root = os.path.join(os.environ[ENV], "ckpt")
+    model, opt = _build("adamw", _mesh(world))
+    state = {"train": ck.TrainState(model, opt), "step": 0}
+    if world == 4:
+        _train(model, opt, range(SAVE_AT))
+        state["step"] = SAVE_AT
+        ck.save(state, root, step=SAVE_AT)
+    else:
+        ck.load_latest(root, state)
+        assert state["step"] == SAVE_AT
+    log = _train(model, opt, range(state["step"], STEPS))
+    _save(f"replay_w{world}", _snapshot(model, opt, log))
+
+
+def case_refusals(rank, world):
+    """What the mode cannot order raises, naming the fix."""
+    from ragged_fsdp import GradientReduce, fully_shard, global_order
+    from ragged_fsdp.models.llama import Llama
+
+    def fresh(**kw):
+        torch.manual_seed(0)
+        m = Llama(_cfg())
+        fully_shard(m, mesh=_mesh(world), **kw)
+        return m
+
+    if world > 1:
+        with pytest.raises(ValueError, match="does not divide"):
+            global_order(fresh(), micro_batches=world * 3 + 1)
+    m = fresh()
+    global_order(m, micro_batches=V)
+    with pytest.raises(ValueError, match="set_requires_gradient_sync"):
+        m.set_requires_gradient_sync(False)
+    m.set_all_reduce_hook(lambda g: None)
+    with pytest.raises(ValueError, match="set_all_reduce_hook"):
+        m.loss(*_micro_batch(0, 0)).backward()
+    m = fresh()
+    m.set_requires_gradient_sync(False)
+    with pytest.raises(ValueError, match="gradient sync turned off"):
+        global_order(m, micro_batches=V)
+    with pytest.raises(ValueError, match="gradient_reduce"):
+        global_order(fresh(gradient_reduce=GradientReduce(torch.bfloat16)), micro_batches=V)
+    if world > 1:
+        with pytest.raises(ValueError, match="different micro_batches"):
+            global_order(fresh(), micro_batches=V if rank == 0 else 2 * V)
+
+
+def case_refuses_expert_parallel(rank, world):
+    """EP token routing (experts sharded over an ep mesh dim): refused by name."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.models.expert_parallel import apply_expert_parallel
+    from ragged_fsdp.models.moe import MoE, MoEConfig
+
+    if world != 4:
+        return
+    torch.manual_seed(0)
+    model = MoE(MoEConfig.tiny(fused_experts=True, n_experts=8))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    dp_ep = mesh["dp", "ep"]._flatten("dp_ep")
+    apply_expert_parallel(model, mesh["ep"])
+    for block in model.layers:
+        fully_shard(block.feed_forward.experts, mesh=mesh["dp"])
+        fully_shard(block, mesh=dp_ep)
+    fully_shard(model, mesh=dp_ep)
+    with pytest.raises(ValueError, match="TP/EP layout"):
+        global_order(model, micro_batches=V)
+
+
+CASES = [case_train, case_hsdp, case_checkpoint, case_refusals, case_refuses_expert_parallel]
+
+
+@pytest.fixture(scope="module")
+def outdir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("global_order"))
+
+
+@pytest.mark.parametrize("world", [4, 1, 2, 3])  # W=4 first: it writes the checkpoint the others load
+def test_launch(outdir, world, monkeypatch):
+    monkeypatch.setenv(ENV, outdir)
+    results = run_cases(world, CASES)
+    for case in CASES:
+        check_case(results, case, world)
+
+
+# -- the single-process reference (plain torch) -------------------------------------------
+
+def _reference(name):
+    from ragged_fsdp.models.llama import Llama
+    from ragged_fsdp.optim import AdamW8bit
+
+    torch.manual_seed(0)
+    model = Llama(_cfg())
+    if name.startswith("adamw") and name != "adamw8bit":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=name == "adamw")
+    elif name == "adamw8bit":
+        opt = AdamW8bit(model.parameters(), lr=1e-2, block_size=64, min_8bit_size=256)
+    else:
+        return None
+    log = []
+    for step in range(STEPS):
+        losses = []
+        for j in range(V):
+            loss = model.loss(*_micro_batch(step, j))
+            loss.backward()  # autograd adds micro-batch j's gradient into .grad: the order to match
+            losses.append(loss.detach().float())
+        for p in model.parameters():
+            p.grad.mul_(1.0 / V)
+        sq = math.fsum(x * x for p in model.parameters() for x in p.grad.double().flatten().tolist())
+        norm = torch.tensor(math.sqrt(sq), dtype=torch.float64).to(torch.float32)
+        coef = torch.clamp(MAX_NORM / (norm + 1e-6), max=1.0)
+        for p in model.parameters():
+            p.grad.mul_(coef)
+        opt.step()
+        opt.zero_grad()
+        total = losses[0].clone()
+        for x in losses[1:]:
+            total += x
+        log.append((norm.item(), (total / V).item()))
+    return _snapshot(model, opt, log)
+
+
+def _same(a, b, what):
+    assert a["log"] == b["log"], f"{what}: norms/losses {a['log']} != {b['log']}"
+    for part in ("params", "states"):
+        assert a[part].keys() == b[part].keys(), (what, part)
+        for k in a[part]:
+            x, y = a[part][k], b[part][k]
+            assert x.dtype == y.dtype and torch.equal(x.view(-1).view(torch.uint8) if x.dtype.is_floating_point
+                                                      else x, y.view(-1).view(torch.uint8) if y.dtype.is_floating_point
+                                                      else y), f"{what}: {part} {k} differ"
+
+
+def _load(outdir, tag):
+    return torch.load(os.path.join(outdir, f"{tag}.pt"), weights_only=True)
+
+
+@pytest.mark.parametrize("name", OPTS)
+def test_bitwise_across_world_sizes(outdir, name):
+    base = _load(outdir, f"{name}_w1")
+    for w in (2, 3, 4):
+        _same(_load(outdir, f"{name}_w{w}"), base, f"{name}: W={w} vs W=1")
+    ref = _reference(name)
+    if ref is not None:
+        _same(base, ref, f"{name}: W=1 vs single-process torch")
+
+
+def test_hsdp_equals_1d(outdir):
+    _same(_load(outdir, "hsdp_2x2"), _load(outdir, "adamw_w4"), "HSDP 2x2 vs 1-D W=4")
+    _same(_load(outdir, "hsdp_2x2"), _load(outdir, "adamw_w1"), "HSDP 2x2 vs W=1")
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_checkpoint_replay(outdir, world):
+    _same(_load(outdir, f"replay_w{world}"), _load(outdir, "replay_w4"), f"W=4 save, W={world} continuation")
+
+
+def test_exact_sum_of_squares_does_not_depend_on_the_split():
+    """The norm's sum: the same bits however the elements are split into tensors (ranks add
+    their partial sums the same way), within 1e-15 of ``math.fsum``; an fp32 sum of per-part
+    sums, as torch's clipping makes, does depend on the split (so the check can fail)."""
+    from ragged_fsdp.fsdp.deterministic import exact_sum_of_squares
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(10007, generator=g) * torch.logspace(-6, 6, 10007)).float()
+    want = math.fsum(v * v for v in x.double().tolist())
+    whole = exact_sum_of_squares([x], x.numel())
+    assert abs(float(whole) - want) <= 1e-15 * want
+    plain = set()
+    for sizes in ([10007], [1, 5000, 5006], [3333, 3334, 3340], [7] * 1429 + [4]):
+        parts = list(torch.split(x, sizes))
+        assert torch.equal(exact_sum_of_squares(parts, x.numel()), whole), sizes
+        plain.add(float(torch.stack([p.square().sum() for p in parts]).sum()))  # fp32, as torch's clip
+    assert len(plain) > 1
