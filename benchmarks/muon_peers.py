@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MUON_LR, ADAMW_LR, STEPS = 0.02, 3e-3, 5
-IMPLS = ("ragged whole, bounded", "ragged whole, one wave", "ragged no policy, bounded", "ragged no policy, one wave",
-         "FSDP2 + DistMuon", "FSDP2 + torch Muon")
+IMPLS = ("ragged whole, bounded", "ragged whole, one wave", "FSDP2 + DistMuon", "ragged no policy, bounded",
+         "ragged no policy, one wave", "FSDP2 + torch Muon")
 
 
 def _model():
@@ -99,7 +99,7 @@ class Impl:
             o.step()
 
     def full(self) -> dict[str, torch.Tensor]:
-        return {n: self._full(p) for n, p in self.model.named_parameters()}
+        return {n: self._full(p).detach() for n, p in self.model.named_parameters()}
 
 
 def _blocks(model):
@@ -119,17 +119,20 @@ def _ragged(name, mesh, policy: bool, wave_bytes):
     groups[0]["lr"], groups[1]["lr"] = MUON_LR, ADAMW_LR
     extra = {} if wave_bytes == "default" else {"wave_bytes": wave_bytes}
     try:
-        opt = Muon(groups, **extra)
+        opt = Muon(groups[:1], **extra)
     except TypeError:  # an older ragged_fsdp (before the bounded step): one wave only
         if wave_bytes not in (None, "default"):
             raise
-        opt = Muon(groups)
+        opt = Muon(groups[:1])
+    # the AdamW groups in an optimizer of their own (the same math as inside one Muon), so
+    # the Muon part's memory is measured alone, as for the peers
+    opts = [opt, Muon(groups[1:])]
 
     def set_grads(m, gs):
         for n, p in m.named_parameters():
             p.grad = rf.distribute_tensor(gs[n], mesh, list(p.placements), src_data_rank=None)
 
-    return Impl(name, model, [opt], set_grads, lambda p: p.full_tensor())
+    return Impl(name, model, opts, set_grads, lambda p: p.full_tensor())
 
 
 def _fsdp2(mesh):
@@ -188,17 +191,30 @@ def _build(name, mesh):
 
 # -- measurements ----------------------------------------------------------------------
 
-def _memory(impl) -> tuple[int, int]:
-    """(peak, transient) tensor bytes of one step by MemTracker."""
+def _memory(impl, step) -> tuple[int, int]:
+    """(peak, transient) tensor bytes of ``step()`` by MemTracker."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     mt = MemTracker()
     mt.track_external(impl.model, *impl.opts)
     with mt:
-        impl.step()
+        step()
         peak = sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("peak").values())
         after = sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("current").values())
     return int(peak), int(peak - after)
+
+
+def _times(impl, n: int, first: int) -> tuple[float, float]:
+    """Median wall and process-CPU seconds of ``n`` steps (ranks start each together)."""
+    wall, cpu = [], []
+    for i in range(n):
+        impl.set_grads(first + i)
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        impl.step()
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def _bytes(impl) -> int:
@@ -231,9 +247,14 @@ def _worker(rank, world, port, rounds, names, queue):
             bitwise = all(torch.equal(got[n], want[n]) for n in want)
             impl.set_grads(STEPS)
             sent = _bytes(impl)
-            peak, transient = _memory(impl)
+            impl.set_grads(STEPS)
+            peak, transient = _memory(impl, impl.step)
+            impl.set_grads(STEPS)
+            muon_peak, muon_transient = _memory(impl, impl.opts[0].step)
+            wall, cpu = _times(impl, 3, STEPS + 1)
             out[name] = {"bitwise": bitwise, "max_abs_diff": diff, "diff_over_update": diff / scale,
-                         "bytes_sent": sent, "peak": peak, "transient": transient}
+                         "bytes_sent": sent, "peak": peak, "transient": transient, "muon_peak": muon_peak,
+                         "muon_transient": muon_transient, "wall_s": wall, "cpu_s": cpu}
             if hasattr(impl.opts[0], "last_step_stats") and "waves" in impl.opts[0].last_step_stats:
                 st = impl.opts[0].last_step_stats
                 out[name]["waves"] = st["waves"]
@@ -241,9 +262,12 @@ def _worker(rank, world, port, rounds, names, queue):
             impls.append(impl)
         except Exception as e:  # recorded verbatim; the other rows still run
             out[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
-            dist.barrier()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, out[name])
+        if rank == 0:
+            print("ROW " + json.dumps({"world": world, "name": name, "per_rank": gathered}), file=sys.stderr, flush=True)
     ratios = {i.name: ([], []) for i in impls}
-    for r in range(rounds):
+    for r in range(rounds if impls else 0):
         order = impls[r % len(impls):] + impls[:r % len(impls)]
         wall, cpu = {}, {}
         for impl in order:
@@ -256,9 +280,12 @@ def _worker(rank, world, port, rounds, names, queue):
         for n in wall:
             ratios[n][0].append(wall[n] / wall[base])
             ratios[n][1].append(cpu[n] / cpu[base])
+        if rank == 0:
+            print(f"W={world} round {r}: {wall}", file=sys.stderr, flush=True)
     for n, (w, c) in ratios.items():
-        out[n]["time_ratio_wall"] = statistics.median(w)
-        out[n]["time_ratio_cpu"] = statistics.median(c)
+        if w:
+            out[n]["time_ratio_wall"] = statistics.median(w)
+            out[n]["time_ratio_cpu"] = statistics.median(c)
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -293,7 +320,10 @@ def run(world: int, rounds: int, names) -> dict:
         rows[name] = {
             "bitwise": all(r["bitwise"] for r in rs), "max_abs_diff": rs[0]["max_abs_diff"],
             "diff_over_update": rs[0]["diff_over_update"],
-            "time_ratio_wall": rs[0]["time_ratio_wall"], "time_ratio_cpu": rs[0]["time_ratio_cpu"],
+            "time_ratio_wall": rs[0].get("time_ratio_wall"), "time_ratio_cpu": rs[0].get("time_ratio_cpu"),
+            "wall_s_max": max(r["wall_s"] for r in rs), "cpu_s_max": max(r["cpu_s"] for r in rs),
+            "muon_transient_mib_mean": statistics.mean(r["muon_transient"] for r in rs) / 2**20,
+            "muon_transient_mib_max": max(r["muon_transient"] for r in rs) / 2**20,
             "bytes_sent_mean": statistics.mean(r["bytes_sent"] for r in rs),
             "peak_mib_mean": statistics.mean(peaks) / 2**20,
             "transient_mib_mean": statistics.mean(r["transient"] for r in rs) / 2**20,
@@ -319,7 +349,9 @@ def render(report: dict) -> str:
             exact = "bitwise" if r["bitwise"] else f"{r['max_abs_diff']:.1e} off ({100 * r['diff_over_update']:.1f}% of the update)"
             b = r["bytes_sent_mean"]
             bs = "0" if b == 0 else (f"{b / 1e6:.2f} MB" if b >= 1e5 else f"{b / 1e3:.1f} KB")
-            lines.append(f"| {w} | {name} | {exact} | {r['time_ratio_wall']:.2f} / {r['time_ratio_cpu']:.2f} | {bs} "
+            t = ("-" if r.get("time_ratio_wall") is None
+                 else f"{r['time_ratio_wall']:.2f} / {r['time_ratio_cpu']:.2f}")
+            lines.append(f"| {w} | {name} | {exact} | {t} | {bs} "
                          f"| {r['peak_mib_mean']:.1f} ({r['transient_mib_mean']:.2f}, {r['transient_mib_max']:.2f}) "
                          f"| {r['peak_spread_mib']:.2f} |")
     return "\n".join(lines)
@@ -329,10 +361,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", default="2,4")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=";".join(IMPLS), help="semicolon-separated names")
     ap.add_argument("--out", default="out/muon_peers.json")
     a = ap.parse_args(argv)
-    names = [n.strip() for n in a.impls.split(",") if n.strip()]
+    names = [n.strip() for n in a.impls.split(";") if n.strip()]
     report = {"command": "PYTHONPATH=src python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
               "torch": torch.__version__, "worlds": {}}
     try:

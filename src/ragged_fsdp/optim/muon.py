@@ -8,13 +8,17 @@ its slice of the result:
 
 1. momentum (``buf.lerp_(grad, 1 - momentum)``) and the Nesterov blend are pointwise, so each
    rank does them on its own elements;
-2. owners are chosen once per layout to balance Newton-Schulz flops over the ranks (largest
-   first onto the least-loaded rank, ties to the rank that already holds most of the matrix);
-   a matrix that the layout keeps whole on one rank is owned by that rank and never moves;
-3. per param group, one all-to-all carries every piece to its owner (in bf16: torch's
-   Newton-Schulz starts by casting to bf16, so casting first is exact and halves the bytes),
-   owners run Newton-Schulz, one all-to-all carries the results back; when no matrix of the
-   group is split, there is no collective at all;
+2. owners are chosen once per layout (:mod:`.muon_plan`): a matrix that the layout keeps
+   whole on one rank is owned by that rank and never moves; the others balance
+   Newton-Schulz flops first and then the memory each rank holds during the step;
+3. the matrices are moved and orthogonalised in **waves** of at most ``wave_bytes`` of whole
+   bf16 matrices (the bounded step): per wave one all-to-all carries every piece to its owner
+   (in bf16: torch's Newton-Schulz starts by casting to bf16, so casting first is exact and
+   halves the bytes), owners run Newton-Schulz, one all-to-all carries the results back.
+   The next wave's pieces travel while the current wave is orthogonalised (the device
+   seam's ``"muon"`` lane: a side stream on CUDA; on gloo the issue order), so the step
+   holds about one wave and one matrix's workspace, not bf16 copies of all local matrices.
+   A wave whose matrices are all whole on their owners has no collective at all;
 4. the decoupled weight decay and the update are pointwise again.
 
 The owner runs the same operations as ``torch.optim.Muon`` on the same full matrix, and the
