@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 MUON_LR, ADAMW_LR, STEPS = 0.02, 3e-3, 5
+TIME_STEPS = int(os.environ.get("MUON_PEERS_TIME_STEPS", "3"))  # timed steps per row before the rounds
 IMPLS = ("ragged whole, bounded", "ragged whole, one wave", "FSDP2 + DistMuon", "ragged no policy, bounded",
          "ragged no policy, one wave", "FSDP2 + torch Muon")
 
@@ -163,11 +164,43 @@ def _fsdp2_torch_muon(mesh):
     return Impl("FSDP2 + torch Muon", model, opts, _dtensor_grads(mesh), lambda p: p.full_tensor())
 
 
+def _cpu_stream_shim():
+    """Let torchtitan's runtime build its transfer stream on CPU (benchmark-only shim).
+
+    It calls ``torch.get_device_module(device).Stream(device=device, priority=0)``; torch.cpu's
+    Stream takes no arguments (CPU streams are no-ops: work runs in program order). This
+    swaps in a subclass that accepts and ignores them, and makes ``record_stream`` a no-op
+    on CPU tensors, so DistMuon's step runs on gloo.
+    """
+    if getattr(torch.cpu.Stream, "_ragged_bench_shim", False):
+        return
+
+    class _Stream(torch.cpu.Stream):
+        _ragged_bench_shim = True
+
+        def __new__(cls, device=None, priority=0, **kwargs):
+            return super().__new__(cls)
+
+        def __init__(self, device=None, priority=0, **kwargs):
+            super().__init__()
+
+    torch.cpu.Stream = _Stream
+    # it also calls Tensor.record_stream, which has no CPU kernel; CPU memory is freed in
+    # program order, so recording is a no-op there
+    record = torch.Tensor.record_stream
+
+    def _record_stream(t, stream):
+        return None if t.device.type == "cpu" else record(t, stream)
+
+    torch.Tensor.record_stream = _record_stream
+
+
 def _fsdp2_dist_muon(mesh):
     from torchtitan.distributed.flex_shard import dist_muon
     from torchtitan.distributed.flex_shard.optimizer_reshard import BucketConfig, ComputeLayout, Owned
 
     # DistMuon refuses non-CUDA parameters; its runtime runs on torch.cpu's streams
+    _cpu_stream_shim()
     dist_muon.DistMuon._validate_parameter_storage = lambda self: next(
         p.to_local().device for g in self.param_groups for p in g["params"])
     model = _fsdp2(mesh)
@@ -251,7 +284,7 @@ def _worker(rank, world, port, rounds, names, queue):
             peak, transient = _memory(impl, impl.step)
             impl.set_grads(STEPS)
             muon_peak, muon_transient = _memory(impl, impl.opts[0].step)
-            wall, cpu = _times(impl, 3, STEPS + 1)
+            wall, cpu = _times(impl, TIME_STEPS, STEPS + 1)
             out[name] = {"bitwise": bitwise, "max_abs_diff": diff, "diff_over_update": diff / scale,
                          "bytes_sent": sent, "peak": peak, "transient": transient, "muon_peak": muon_peak,
                          "muon_transient": muon_transient, "wall_s": wall, "cpu_s": cpu}
