@@ -343,9 +343,13 @@ def run(world: int, rounds: int, names) -> dict:
     per_rank = q.get()
     for p in procs:
         p.join()
+    return _aggregate(names, {name: [pr[name] for pr in per_rank] for name in names})
+
+
+def _aggregate(names, by_name) -> dict:
     rows = {}
     for name in names:
-        rs = [pr[name] for pr in per_rank]
+        rs = by_name[name]
         if "error" in rs[0]:
             rows[name] = rs[0]
             continue
@@ -370,9 +374,31 @@ def run(world: int, rounds: int, names) -> dict:
     return rows
 
 
+def from_log(path: str) -> dict:
+    """The rows a (possibly unfinished) run printed as ``ROW`` lines on stderr. Rows that
+    finished before the alternating rounds have no round ratio; their time ratio is then the
+    median of their own timed steps (slowest rank) over the first row's, marked as such."""
+    worlds: dict[str, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("ROW "):
+            r = json.loads(line[4:])
+            worlds.setdefault(str(r["world"]), {})[r["name"]] = r["per_rank"]
+    out = {}
+    for w, by_name in worlds.items():
+        rows = _aggregate(list(by_name), by_name)
+        base = next(iter(rows.values()))
+        for r in rows.values():
+            if "error" not in r and r.get("time_ratio_wall") is None and "error" not in base:
+                r["time_ratio_wall"] = r["wall_s_max"] / base["wall_s_max"]
+                r["time_ratio_cpu"] = r["cpu_s_max"] / base["cpu_s_max"]
+                r["time_ratio_from"] = "timed steps of each row, not alternating rounds"
+        out[w] = rows
+    return out
+
+
 def render(report: dict) -> str:
     lines = ["| W | implementation | exact after 5 steps | step time (wall / CPU, x ragged whole bounded) "
-             "| bytes sent per rank | peak MiB (transient, max transient) | spread of per-rank peaks MiB |",
+             "| bytes sent per rank | peak MiB, rank mean (step transient; Muon-step transient) | spread of per-rank peaks MiB |",
              "|---|---|---|---|---|---|---|"]
     for w, rows in report["worlds"].items():
         for name, r in rows.items():
@@ -385,7 +411,7 @@ def render(report: dict) -> str:
             t = ("-" if r.get("time_ratio_wall") is None
                  else f"{r['time_ratio_wall']:.2f} / {r['time_ratio_cpu']:.2f}")
             lines.append(f"| {w} | {name} | {exact} | {t} | {bs} "
-                         f"| {r['peak_mib_mean']:.1f} ({r['transient_mib_mean']:.2f}, {r['transient_mib_max']:.2f}) "
+                         f"| {r['peak_mib_mean']:.1f} ({r['transient_mib_mean']:.2f}; {r['muon_transient_mib_mean']:.2f}) "
                          f"| {r['peak_spread_mib']:.2f} |")
     return "\n".join(lines)
 
@@ -396,7 +422,15 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--impls", default=";".join(IMPLS), help="semicolon-separated names")
     ap.add_argument("--out", default="out/muon_peers.json")
+    ap.add_argument("--from-log", help="render the ROW lines of an unfinished run's stderr instead of running")
     a = ap.parse_args(argv)
+    if a.from_log:
+        report = {"command": "PYTHONPATH=src python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+                  "torch": torch.__version__, "partial": True, "worlds": from_log(a.from_log)}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(report, indent=1))
+        print(render(report))
+        return 0
     names = [n.strip() for n in a.impls.split(";") if n.strip()]
     report = {"command": "PYTHONPATH=src python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
               "torch": torch.__version__, "worlds": {}}
