@@ -103,12 +103,17 @@ def newton_schulz(
     return _newton_schulz_(x, coefficients, steps, eps)
 
 
-def _newton_schulz_(x: torch.Tensor, coefficients, steps: int, eps: float) -> torch.Tensor:
+def _newton_schulz_(x, coefficients, steps: int, eps: float) -> torch.Tensor:
     """:func:`newton_schulz` on a bf16 matrix it may overwrite (no copy of the input: the
-    step's workspace is the next iterate and the two Gram products, as in the docs)."""
+    step's workspace is the next iterate and the two Gram products, as in the docs).
+
+    ``x`` may be a one-element list holding the matrix: it is taken out of the list, so a
+    caller that keeps no other reference lets the input's storage go after the first
+    iteration."""
+    if isinstance(x, list):
+        x = x.pop()
     a, b, c = coefficients
-    matrix = x
-    tall = matrix.size(0) > matrix.size(1)
+    tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
@@ -583,8 +588,12 @@ class _WaveRun:
                 for (r0, c0), t in tiles.items():
                     whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
                 tiles = None
-            out = _newton_schulz_(whole, coeffs, steps, eps)
-            del whole, full, tiles
+            # hand the input over: with no reference left here its storage is freed after
+            # Newton-Schulz's first iteration, so the input and the last two iterates are
+            # never live at once (one matrix less at the step's peak; same operations)
+            held = [whole]
+            whole = full = tiles = dst = None
+            out = _newton_schulz_(held, coeffs, steps, eps)
 
             def tile_of(o, out=out):
                 return out[o[0]: o[0] + h, o[1]: o[1] + w].reshape(-1) if gs.tiled else out.reshape(-1)
