@@ -10,7 +10,7 @@ from torch import nn
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 from ragged_fsdp.optim import (
     AdamW8bit, Muon, combined_granularity, muon_granularity,
-    muon_param_groups, newton_schulz, newton_schulz_flops, split_params, state_bytes,
+    muon_param_groups, newton_schulz, newton_schulz_flops, route_params, split_params, state_bytes,
 )
 
 
@@ -113,6 +113,96 @@ def test_muon_rejects_1d_naming_it():
 def test_muon_non_finite_hyperparameters(kw, name):
     with pytest.raises(ValueError, match=rf"{name}=.*(not finite|>= 0|not a number)"):
         Muon([torch.zeros(3, 3, requires_grad=True)], **kw)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    ({"momentum": 1.5}, r"momentum=1.5 must be in \[0, 1\)"), ({"momentum": 1.0}, r"momentum=1.0 must be in"),
+    ({"momentum": -0.1}, r"momentum=-0.1 must be >= 0"),
+    ({"ns_steps": 0}, r"ns_steps=0 must be an integer in \[1, 100\)"), ({"ns_steps": 100}, r"ns_steps=100 must"),
+    ({"ns_steps": 2.0}, r"ns_steps=2.0 must be an integer"), ({"ns_steps": True}, r"ns_steps=True must"),
+    ({"eps": 0.0}, r"eps=0.0 must be > 0"), ({"nesterov": "yes"}, r"nesterov='yes' must be True or False"),
+    ({"weight_decay": -1.0}, r"weight_decay=-1.0 must be >= 0"),
+    ({"adjust_lr_fn": "rms"}, r"adjust_lr_fn='rms' must be one of"),
+    ({"ns_coefficients": (1.0, 2.0)}, r"ns_coefficients=\(1.0, 2.0\) must be three numbers"),
+    ({"wave_bytes": 0}, r"wave_bytes=0 must be an integer >= 1"), ({"wave_bytes": True}, r"wave_bytes=True must"),
+    ({"wave_bytes": 1.5}, r"wave_bytes=1.5 must"),
+])
+def test_muon_out_of_range_arguments_name_the_argument(kw, pattern):
+    """Issue 41: Muon accepted momentum=1.5 and ns_steps=0 (both silently wrong)."""
+    with pytest.raises(ValueError, match=pattern):
+        Muon([torch.zeros(3, 3, requires_grad=True)], **kw)
+
+
+def test_muon_group_override_out_of_range_is_refused():
+    with pytest.raises(ValueError, match=r"param group 1: momentum=1.5 must be in \[0, 1\)"):
+        Muon([{"params": [torch.zeros(3, 3, requires_grad=True)]},
+              {"params": [torch.zeros(3, 3, requires_grad=True)], "momentum": 1.5}])
+
+
+def test_muon_wave_bytes_same_bits_single_process():
+    """W = 1: any wave size, the same bits as torch.optim.Muon; the estimate is reported."""
+    torch.manual_seed(3)
+    shapes = [(13, 7), (64, 48), (7, 13), (96, 32)]
+    init = [torch.randn(s) for s in shapes]
+    for wave_bytes in (None, 1, 8192):
+        ours = [x.clone().requires_grad_() for x in init]
+        ref = [x.clone().requires_grad_() for x in init]
+        opt, ref_opt = Muon(ours, lr=0.02, wave_bytes=wave_bytes), torch.optim.Muon(ref, lr=0.02)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            for p, r in zip(ours, ref):
+                p.grad = torch.randn(p.shape, generator=g)
+                r.grad = p.grad.clone()
+            opt.step()
+            ref_opt.step()
+        for p, r in zip(ours, ref):
+            assert torch.equal(p, r), wave_bytes
+        assert opt.last_step_stats["waves"] == {None: 1, 1: 4, 8192: 2}[wave_bytes]
+        assert len(opt.last_step_stats["step_bytes_per_rank"]) == 1
+
+
+class _VocabWideMLP(nn.Module):
+    """Issue 41 item 10: vocab 256 and an MLP 64 -> 256 inside the blocks."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        self.emb = nn.Embedding(256, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+                                    for _ in range(2))
+        self.norm = nn.LayerNorm(64)
+        self.proj = nn.Linear(64, 256, bias=False)
+        if tie:
+            self.proj.weight = self.emb.weight
+
+
+def test_head_found_from_structure_not_the_vocabulary_size(caplog):
+    m = _VocabWideMLP()
+    hidden, rest = split_params(m)
+    hn, rn = {n for n, _ in hidden}, {n for n, _ in rest}
+    assert "blocks.0.0.weight" in hn and "blocks.1.0.weight" in hn  # 64 -> 256 hidden matrices stay on Muon
+    assert "proj.weight" in rn and "emb.weight" in rn
+    why = {n: (where, reason) for n, where, reason in route_params(m)}
+    assert why["proj.weight"][0] == "adamw" and why["proj.weight"][1].startswith("head (the last Linear")
+    assert why["emb.weight"] == ("adamw", "embedding") and why["norm.bias"] == ("adamw", "1-D")
+    assert why["blocks.0.0.weight"] == ("muon", "2-D matrix")
+    with caplog.at_level("INFO", logger="ragged_fsdp.optim"):
+        muon_param_groups(m)
+    assert "4 parameters to Muon" in caplog.text and "proj.weight (head" in caplog.text
+    # tied: the head is the embedding's weight, found by identity
+    t = _VocabWideMLP(tie=True)
+    why = {n: (where, reason) for n, where, reason in route_params(t)}
+    assert why["emb.weight"][0] == "adamw" and "blocks.0.0.weight" in {n for n, _ in split_params(t)[0]}
+
+
+def test_head_from_get_output_embeddings():
+    class HF(_VocabWideMLP):
+        def get_output_embeddings(self):
+            return self.blocks[1][2]  # whatever the model says its output layer is
+
+    m = HF()
+    why = {n: (where, reason) for n, where, reason in route_params(m)}
+    assert why["blocks.1.2.weight"] == ("adamw", "head (get_output_embeddings())")
+    assert why["proj.weight"][0] == "muon"  # the model named another layer: no guessing on top
 
 
 @pytest.mark.parametrize("kw,name", [

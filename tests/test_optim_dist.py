@@ -97,6 +97,99 @@ def case_muon_bitwise(rank, world):
             assert torch.equal(got, want.detach()), (i, shape, pl, kw, (got - want).abs().max())
 
 
+def case_muon_waves_bitwise(rank, world):
+    """The bounded step: a small (2 KiB) and a tiny (1 byte: one matrix per wave) workspace
+    give the bits of single-process torch.optim.Muon; the tiny one also on the ordering-
+    checking device (every all-to-all output is NaN until its wait, the collective runs at
+    the wait), so no wave reads pieces or results before they landed."""
+    from _checking_device import CheckingDevice
+
+    import ragged_fsdp.optim.muon as muon_mod
+
+    layouts = _muon_layouts(world)
+    for wave_bytes, checking in ((2048, False), (1, False), (1, True)):
+        mesh, ours, ref, opt, ref_opt = _muon_pair(world, layouts, lr=0.02)
+        opt.wave_bytes = wave_bytes
+        orig = muon_mod.device_for
+        if checking:
+            muon_mod.device_for = CheckingDevice
+        try:
+            _muon_steps(mesh, layouts, ours, ref, opt, ref_opt, 5)
+        finally:
+            muon_mod.device_for = orig
+        assert opt.last_step_stats["waves"] > (3 if wave_bytes == 2048 else 20), opt.last_step_stats["waves"]
+        for i, (p, r, (shape, pl)) in enumerate(zip(ours, ref, layouts)):
+            want = torch.stack(r) if len(shape) == 3 else r[0]
+            got = p.full_tensor()
+            assert torch.equal(got, want.detach()), (i, shape, pl, wave_bytes, checking, (got - want).abs().max())
+
+
+def case_muon_wave_order(rank, world):
+    """Wave k + 1's pieces are sent before wave k is orthogonalised, and wave k's results
+    leave before wave k + 1 is: with one split matrix per wave (distinct shapes, so each
+    Newton-Schulz call names its wave), the owner of wave k runs it after exactly 2k + 2
+    all-to-alls were issued (fwd 0, fwd 1, back 0, fwd 2, ... fwd k+1), 2K - 1 for the last.
+    On gloo the order is the issue order of the collectives."""
+    import ragged_fsdp.optim.muon as muon_mod
+
+    if world == 1:
+        return
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(8 + i, 9 + 2 * i) for i in range(6)]
+    even = [tuple((s[0] * s[1]) // world + (1 if r < (s[0] * s[1]) % world else 0) for r in range(world))
+            for s in shapes]
+    layouts = [(s, RaggedShard((0, 1), c, 1)) for s, c in zip(shapes, even)]
+    ps = [rf.distribute_tensor(torch.randn(s), mesh, [p], src_data_rank=None).requires_grad_() for s, p in layouts]
+    opt = Muon(ps, lr=0.02, wave_bytes=1)
+    events = []
+    orig_a2a, orig_ns = dist.all_to_all_single, muon_mod._newton_schulz_
+
+    def a2a(*a, **k):
+        events.append("a2a")
+        return orig_a2a(*a, **k)
+
+    def ns(x, *a, **k):
+        events.append(tuple(x.shape))
+        return orig_ns(x, *a, **k)
+
+    dist.all_to_all_single, muon_mod._newton_schulz_ = a2a, ns
+    try:
+        for p, g, (_, pl) in zip(ps, _grads(shapes, 0), layouts):
+            p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+        opt.step()
+    finally:
+        dist.all_to_all_single, muon_mod._newton_schulz_ = orig_a2a, orig_ns
+    K = len(shapes)
+    assert events.count("a2a") == 2 * K, events
+    seen = 0
+    for e in events:
+        if e == "a2a":
+            seen += 1
+            continue
+        k = shapes.index(e)
+        assert seen == (2 * k + 2 if k < K - 1 else 2 * K - 1), (k, seen, events)
+    counts = torch.tensor([sum(1 for e in events if e != "a2a")])
+    dist.all_reduce(counts)
+    assert int(counts) == K
+
+
+def case_muon_wave_bytes_must_agree(rank, world):
+    if world == 1:
+        return
+    mesh = init_device_mesh("cpu", (world,))
+    p = rf.distribute_tensor(torch.randn(12, 10), mesh, [RaggedShard((0, 1), _cuts(120, world, 5), 1)],
+                             src_data_rank=None).requires_grad_()
+    opt = Muon([p], lr=0.02, wave_bytes=1024 * (rank + 1))
+    p.grad = rf.distribute_tensor(torch.ones(12, 10), mesh, [RaggedShard((0, 1), _cuts(120, world, 5), 1)],
+                                  src_data_rank=None)
+    try:
+        opt.step()
+    except ValueError as e:
+        assert "wave_bytes differs across ranks" in str(e), e
+    else:
+        raise AssertionError("different wave_bytes on the ranks were accepted")
+
+
 def case_muon_whole_matrices_move_nothing(rank, world):
     """Matrices the layout keeps whole are owned where they lie: no bytes, no collective."""
     mesh = init_device_mesh("cpu", (world,))

@@ -50,11 +50,11 @@ from .shampoo import Shampoo
 from .shampoo_blocks import merged_shape, shampoo_granularity
 from .shampoo_reference import ReferenceShampoo
 from .routing import (
-    adamw8bit_granularity, combined_granularity, muon_granularity, muon_param_groups, split_params,
+    adamw8bit_granularity, combined_granularity, muon_granularity, muon_param_groups, route_params, split_params,
 )
 
 __all__ = [
     "AdamW", "Muon", "AdamW8bit", "state_bytes", "newton_schulz", "newton_schulz_flops", "adjust_lr",
     "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
-    "split_params", "Shampoo", "shampoo_granularity", "merged_shape", "ReferenceShampoo",
+    "split_params", "route_params", "Shampoo", "shampoo_granularity", "merged_shape", "ReferenceShampoo",
 ]

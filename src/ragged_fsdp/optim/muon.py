@@ -8,13 +8,17 @@ its slice of the result:
 
 1. momentum (``buf.lerp_(grad, 1 - momentum)``) and the Nesterov blend are pointwise, so each
    rank does them on its own elements;
-2. owners are chosen once per layout to balance Newton-Schulz flops over the ranks (largest
-   first onto the least-loaded rank, ties to the rank that already holds most of the matrix);
-   a matrix that the layout keeps whole on one rank is owned by that rank and never moves;
-3. per param group, one all-to-all carries every piece to its owner (in bf16: torch's
-   Newton-Schulz starts by casting to bf16, so casting first is exact and halves the bytes),
-   owners run Newton-Schulz, one all-to-all carries the results back; when no matrix of the
-   group is split, there is no collective at all;
+2. owners are chosen once per layout (:mod:`.muon_plan`): a matrix that the layout keeps
+   whole on one rank is owned by that rank and never moves; the others balance
+   Newton-Schulz flops first and then the memory each rank holds during the step;
+3. the matrices are moved and orthogonalised in **waves** of at most ``wave_bytes`` of whole
+   bf16 matrices (the bounded step): per wave one all-to-all carries every piece to its owner
+   (in bf16: torch's Newton-Schulz starts by casting to bf16, so casting first is exact and
+   halves the bytes), owners run Newton-Schulz, one all-to-all carries the results back.
+   The next wave's pieces travel while the current wave is orthogonalised (the device
+   seam's ``"muon"`` lane: a side stream on CUDA; on gloo the issue order), so the step
+   holds about one wave and one matrix's workspace, not bf16 copies of all local matrices.
+   A wave whose matrices are all whole on their owners has no collective at all;
 4. the decoupled weight decay and the update are pointwise again.
 
 The owner runs the same operations as ``torch.optim.Muon`` on the same full matrix, and the
@@ -43,24 +47,35 @@ math on each rank's elements, with AdamW's defaults for keys the group leaves ou
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ._gather import GatherSet, gather_set
+from ragged_fsdp.fsdp.comms.device import device_for
+
+from ._gather import gather_set
 from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
+from .muon_plan import (
+    DEFAULT_NS_STEPS, Batch, assign_owners, finish_wave, make_waves, matrices_of, newton_schulz_flops,
+    ns_workspace_bytes,
+)
 from .routing import check_finite, muon_granularity
 
-__all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "adjust_lr", "ADAMW_DEFAULTS"]
+__all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "ns_workspace_bytes", "adjust_lr", "ADAMW_DEFAULTS",
+           "DEFAULT_WAVE_BYTES"]
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_EPS = 1e-7
-DEFAULT_NS_STEPS = 5
+# Whole bf16 matrices moved and orthogonalised per wave (see muon_plan). 256 KiB keeps the
+# step's transient at or below torchtitan's DistMuon on the docs' benchmark model
+# (docs/optimizers.md, "Muon beside its peers"): a matrix larger than this is a wave alone.
+DEFAULT_WAVE_BYTES = 256 * 1024
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 _ADJUST_FNS = (None, "original", "match_rms_adamw")
 
@@ -82,11 +97,23 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: expected a matrix, got shape {tuple(matrix.shape)}")
     if steps >= 100:
         raise ValueError("newton_schulz: ns_steps must be < 100")
-    a, b, c = coefficients
     x = matrix.bfloat16()
     if x is matrix:  # already bf16: work on a copy, never on the caller's tensor
         x = x.clone()
-    tall = matrix.size(0) > matrix.size(1)
+    return _newton_schulz_(x, coefficients, steps, eps)
+
+
+def _newton_schulz_(x, coefficients, steps: int, eps: float) -> torch.Tensor:
+    """:func:`newton_schulz` on a bf16 matrix it may overwrite (no copy of the input: the
+    step's workspace is the next iterate and the two Gram products, as in the docs).
+
+    ``x`` may be a one-element list holding the matrix: it is taken out of the list, so a
+    caller that keeps no other reference lets the input's storage go after the first
+    iteration."""
+    if isinstance(x, list):
+        x = x.pop()
+    a, b, c = coefficients
+    tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
@@ -95,13 +122,6 @@ def newton_schulz(
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, poly, x, beta=a)
     return x.T if tall else x
-
-
-def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> int:
-    """Multiply-add flops (2 per MAC) of :func:`newton_schulz` on a ``rows x cols`` matrix."""
-    m, n = min(rows, cols), max(rows, cols)
-    # X X^T: m*m*n MACs; A A: m^3; (.) X: m*m*n.
-    return steps * 2 * (2 * m * m * n + m * m * m)
 
 
 def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -118,112 +138,6 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
 
 def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-# -- owner plan --------------------------------------------------------------------------
-
-@dataclass
-class _Matrix:
-    slot: int  # index of the parameter in the group's list of params with grads
-    start: int  # element range of the matrix's tile inside the flat outer-local tensor
-    end: int
-    rows: int  # of the global matrix
-    cols: int
-    flops: int
-    owner: int = 0
-    # per member of the gather set: (start, end) of the tile held by it, clipped to the tile
-    pieces: tuple = ()
-    gs: GatherSet | None = None  # who holds the tiles (and where each tile sits)
-
-
-@dataclass
-class _Batch:
-    """The matrices of one param group that share one process group (or none: unsharded)."""
-
-    group: object | None
-    rank: int
-    world: int
-    matrices: list = field(default_factory=list)
-    needs_comm: bool = False
-    send_split: list = field(default_factory=list)  # elements sent to each rank (forward)
-    recv_split: list = field(default_factory=list)
-
-
-@dataclass
-class _Plan:
-    batches: list
-    loads: dict  # id(group) -> per-rank Newton-Schulz flops
-    bytes_sent: int = 0
-    bytes_recv: int = 0
-    allgather_bytes_sent: int = 0
-
-
-def _matrices_of(slot: int, lay: Layout, gs: GatherSet, steps: int) -> list[_Matrix]:
-    """The matrices of one parameter: the ``k``-th matrix of the outer-local tensor is the same
-    global matrix on every member (TP never cuts the leading dims), each member holding its
-    RaggedShard rank's run of its own tile."""
-    rows, cols = lay.shape[-2], lay.shape[-1]
-    h, w = gs.tile
-    size = h * w
-    count = math.prod(lay.outer_shape[:-2])
-    if size == 0 or rows * cols == 0:
-        return []
-    flops = newton_schulz_flops(rows, cols, steps)
-    runs = [lay.ranges[r] for r in gs.ragged]
-    out = []
-    for k in range(count):
-        s, e = k * size, (k + 1) * size
-        pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in runs)
-        out.append(_Matrix(slot, s, e, rows, cols, flops, pieces=pieces, gs=gs))
-    return out
-
-
-def _assign_owners(batches: list[_Batch]) -> dict:
-    """Balance Newton-Schulz flops per process group: fixed owners first (matrices held
-    whole by one rank), then the rest largest first onto the least-loaded rank."""
-    loads: dict = {}
-    free: dict = {}
-    for bi, batch in enumerate(batches):
-        key = id(batch.group)
-        load = loads.setdefault(key, [0] * batch.world)
-        for m in batch.matrices:
-            holders = [r for r, (a, b) in enumerate(m.pieces) if b > a]
-            if batch.group is None or len(holders) == 1:
-                m.owner = holders[0] if batch.group is not None else 0
-                load[m.owner] += m.flops
-            else:
-                free.setdefault(key, []).append((bi, m))
-    for key, items in free.items():
-        load = loads[key]
-        order = sorted(range(len(items)), key=lambda i: (-items[i][1].flops, i))
-        for i in order:
-            _, m = items[i]
-            held = [b - a for a, b in m.pieces]
-            m.owner = min(range(len(load)), key=lambda r: (load[r], -held[r], r))
-            load[m.owner] += m.flops
-    return loads
-
-
-def _finish_batch(batch: _Batch, elem_bytes: int = 2) -> tuple[int, int, int]:
-    me, world = batch.rank, batch.world
-    send = [0] * world
-    recv = [0] * world
-    moved = False
-    for m in batch.matrices:
-        for r, (a, b) in enumerate(m.pieces):
-            n = b - a
-            if n and r != m.owner:
-                moved = True
-                if r == me:
-                    send[m.owner] += n
-                if m.owner == me:
-                    recv[r] += n
-    batch.send_split, batch.recv_split, batch.needs_comm = send, recv, moved
-    # this rank's bytes: pieces out + results in, and (as owner) pieces in + results out
-    sent = (sum(send) + sum(recv)) * elem_bytes
-    local_total = sum(m.pieces[me][1] - m.pieces[me][0] for m in batch.matrices) if batch.group is not None else 0
-    allgather = (world - 1) * local_total * elem_bytes
-    return sent, sent, allgather
 
 
 # -- the optimizer -----------------------------------------------------------------------
@@ -251,9 +165,23 @@ class Muon(Optimizer):
             ``weight_decay``, default ``torch.optim.AdamW``'s (1e-3, (0.9, 0.999), 1e-8, 1e-2).
             An AdamW group's key comes from the group, else ``adamw_defaults``, else (for
             ``weight_decay`` only) the ``weight_decay`` argument, else AdamW's default.
+        wave_bytes: the bounded step's workspace: matrices are moved to their owners and
+            orthogonalised in waves of at most this many bytes of whole bf16 matrices (a
+            larger matrix is a wave alone), the pieces of the next wave travelling while the
+            current one is orthogonalised (:mod:`.muon_plan`). Default 256 KiB; ``None``: one
+            wave (every local matrix in bf16 at once: the fewest collectives, the most memory).
+            Must be the same on every rank (checked). Results do not depend on it.
+
+    Valid ranges (a ValueError names the argument otherwise): ``lr``, ``weight_decay`` >= 0;
+    ``0 <= momentum < 1``; ``eps > 0``; ``1 <= ns_steps < 100``; ``nesterov`` a bool;
+    ``ns_coefficients`` three finite numbers; ``wave_bytes`` an integer >= 1 or None; the
+    AdamW groups' ``betas`` in [0, 1), ``eps`` >= 0.
 
     After each step ``last_step_stats`` holds this rank's Newton-Schulz flops, the flops of
-    every rank, the bytes this rank sent, and what an all-gather-everything design would send.
+    every rank, the bytes this rank sent, what an all-gather-everything design would send,
+    the number of waves, and the plan's estimate of each rank's bytes during the step
+    (``step_bytes_per_rank``: persistent parameter + gradient + momentum bytes of its Muon
+    pieces, plus its worst wave).
     """
 
     granularity: Callable = staticmethod(muon_granularity)
@@ -271,7 +199,14 @@ class Muon(Optimizer):
         adjust_lr_fn: str | None = None,
         *,
         adamw_defaults: dict | None = None,
+        wave_bytes: int | None = DEFAULT_WAVE_BYTES,
     ) -> None:
+        if wave_bytes is not None and (isinstance(wave_bytes, bool) or not isinstance(wave_bytes, numbers.Integral)
+                                       or wave_bytes < 1):
+            raise ValueError(f"Muon: wave_bytes={wave_bytes!r} must be an integer >= 1 (bytes of whole bf16 "
+                             "matrices per wave) or None (one wave)")
+        self.wave_bytes = None if wave_bytes is None else int(wave_bytes)
+        self._agreed: set = set()  # process groups whose ranks agreed on wave_bytes
         self._adamw_defaults = dict(ADAMW_DEFAULTS)
         if adamw_defaults:
             unknown = set(adamw_defaults) - set(ADAMW_DEFAULTS)
@@ -350,13 +285,23 @@ class Muon(Optimizer):
         if group["use_muon"]:
             check_finite(where, lr=group["lr"], weight_decay=group["weight_decay"],
                          momentum=group["momentum"], eps=group["eps"])
+            if not _scalar(group["momentum"]) < 1.0:
+                raise ValueError(f"{where}: momentum={group['momentum']!r} must be in [0, 1) (at 1 the "
+                                 "momentum buffer never sees a gradient); torch's default is 0.95")
+            if not _scalar(group["eps"]) > 0.0:
+                raise ValueError(f"{where}: eps={group['eps']!r} must be > 0 (the floor of the norm Newton-Schulz "
+                                 "divides by: a zero gradient would give NaN); torch's default is 1e-7")
+            if not isinstance(group["nesterov"], bool):
+                raise ValueError(f"{where}: nesterov={group['nesterov']!r} must be True or False")
             coeffs = group["ns_coefficients"]
             if len(coeffs) != 3:
                 raise ValueError(f"{where}: ns_coefficients={coeffs} must be three numbers (a, b, c)")
             check_finite(where, **{f"ns_coefficients[{i}]": c for i, c in enumerate(coeffs)})
             steps = group["ns_steps"]
-            if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
-                raise ValueError(f"{where}: ns_steps={steps!r} must be an integer in [0, 100)")
+            if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+                raise ValueError(f"{where}: ns_steps={steps!r} must be an integer in [1, 100) (0 would skip "
+                                 "orthogonalisation: the update is the normalised momentum, not Muon's); "
+                                 "torch's default is 5")
             if group["adjust_lr_fn"] not in _ADJUST_FNS:
                 raise ValueError(f"{where}: adjust_lr_fn={group['adjust_lr_fn']!r} must be one of {_ADJUST_FNS}")
         else:
@@ -393,7 +338,8 @@ class Muon(Optimizer):
         plan = self._plan(work)
         stats = {"ns_flops": 0, "ns_matrices": 0, "bytes_sent": plan.bytes_sent,
                  "bytes_recv": plan.bytes_recv, "allgather_bytes_sent": plan.allgather_bytes_sent,
-                 "ns_flops_per_rank": _per_rank(plan.loads)}
+                 "ns_flops_per_rank": _per_rank(plan.loads), "waves": plan.waves,
+                 "step_bytes_per_rank": _per_rank(plan.peaks)}
         for (gi, group, items), batches in zip(work, plan.batches):
             self._muon_group(group, items, batches, stats)
         self.last_step_stats = stats
@@ -419,11 +365,12 @@ class Muon(Optimizer):
                     f"{getattr(p, 'placements', None)}); redistribute the gradient to the parameter's layout"
                 )
 
-    def _plan(self, work) -> _Plan:
+    def _plan(self, work) -> "_Plan":
         key = tuple(
             (gi, group["ns_steps"], tuple((i, id(p), lay.key()) for i, p, lay in items))
             for gi, group, items in work
         )
+        key = (self.wave_bytes, key)
         if self._plan_cache is not None and self._plan_cache[0] == key:
             return self._plan_cache[1]
         all_batches = []
@@ -433,130 +380,55 @@ class Muon(Optimizer):
                 gs = gather_set(lay)
                 b = by_group.get(id(gs.group))
                 if b is None:
-                    b = by_group[id(gs.group)] = _Batch(gs.group, gs.me, gs.world)
-                b.matrices.extend(_matrices_of(slot, lay, gs, group["ns_steps"]))
+                    b = by_group[id(gs.group)] = Batch(gs.group, gs.me, gs.world)
+                state_bytes = 2 * p.element_size() + self.state[p]["momentum_buffer"].element_size() \
+                    if "momentum_buffer" in self.state[p] else 3 * p.element_size()
+                b.matrices.extend(matrices_of(slot, lay, gs, group["ns_steps"], state_bytes))
             all_batches.append(list(by_group.values()))
-        loads = _assign_owners([b for bs in all_batches for b in bs])
-        plan = _Plan(all_batches, loads)
-        for bs in all_batches:
-            for b in bs:
-                s, r, ag = _finish_batch(b)
-                plan.bytes_sent += s
-                plan.bytes_recv += r
+        flat = [b for bs in all_batches for b in bs]
+        for b in flat:
+            b.waves = make_waves(b.matrices, self.wave_bytes)
+            if b.group is not None:
+                self._agree(b.group)
+        owners = assign_owners(flat)
+        plan = _Plan(all_batches, owners["flops"], owners["peak"])
+        for b in flat:
+            for wave in b.waves:
+                sent, ag = finish_wave(wave, b.rank, b.world, b.group is not None)
+                plan.bytes_sent += sent
+                plan.bytes_recv += sent
                 plan.allgather_bytes_sent += ag
+                plan.waves += 1
         self._plan_cache = (key, plan)
         return plan
 
+    def _agree(self, group) -> None:
+        """Every rank of ``group`` must cut the same waves (they run collectives per wave)."""
+        if id(group) in self._agreed:
+            return
+        v = -1 if self.wave_bytes is None else self.wave_bytes
+        t = torch.tensor([v, -v], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        if int(t[0]) != v or int(-t[1]) != v:
+            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes}, others up to "
+                             f"{None if int(t[0]) == -1 else int(t[0])}); pass the same value on every rank")
+        self._agreed.add(id(group))
+
     def _muon_group(self, group, items, batches, stats):
-        lr = _scalar(group["lr"])
-        wd = group["weight_decay"]
         momentum = group["momentum"]
-        # 1. momentum and Nesterov blend on local elements; the update in bf16 (flat)
-        updates = []
+        # 1. momentum on local elements, in place (no temporary)
         for i, p, lay in items:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-            buf = local_of(state["momentum_buffer"])
-            g = local_of(p.grad)
-            buf.lerp_(g, 1 - momentum)
-            upd = g.lerp(buf, momentum) if group["nesterov"] else buf
-            u = upd.reshape(-1).bfloat16()
-            if u.numel() and u.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr():
-                u = u.clone()  # a bf16 buffer without Nesterov: never overwrite the momentum
-            updates.append(u)
-        # Results overwrite the updates in place: every owned matrix is assembled (reading the
-        # local pieces) before any result is written back.
-        results = updates
-        # 2.-3. owners gather, orthogonalise, scatter back
+            local_of(state["momentum_buffer"]).lerp_(local_of(p.grad), 1 - momentum)
+        # 2.-4. per wave: the Nesterov blend of the wave's pieces (bf16), to the owners,
+        # Newton-Schulz, back, weight decay and update; pointwise steps on slices give the
+        # same bits as on whole tensors
         for batch in batches:
-            self._orthogonalise(batch, items, updates, results, group, stats)
-        # 4. decoupled weight decay and the update, pointwise
-        for (i, p, lay), res in zip(items, results):
-            pl = local_of(p)
-            rows, cols = lay.shape[-2], lay.shape[-1]
-            pl.mul_(1 - lr * wd)
-            pl.add_(res.view(pl.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], rows, cols))
+            if batch.waves:
+                _WaveRun(self, batch, items, group, stats).run()
 
-    def _orthogonalise(self, batch: _Batch, items, updates, results, group, stats):
-        me, world = batch.rank, batch.world
-        coeffs, steps, eps = group["ns_coefficients"], group["ns_steps"], group["eps"]
-        local_start = [lay.local_range[0] for _, _, lay in items]
-        mine = [m for m in batch.matrices if m.owner == me]
-        # forward: pieces to owners, ordered by destination then matrix order
-        recv_buf = None
-        if batch.needs_comm:
-            chunks = []
-            for d in range(world):
-                if d == me:
-                    continue
-                for m in batch.matrices:
-                    a, b = m.pieces[me]
-                    if m.owner == d and b > a:
-                        off = local_start[m.slot]
-                        chunks.append(updates[m.slot][a - off: b - off])
-            send = torch.cat(chunks) if chunks else updates[0].new_empty(0)
-            recv_buf = send.new_empty(sum(batch.recv_split))
-            _all_to_all(recv_buf, send, batch.recv_split, batch.send_split, batch.group)
-        # assemble owned matrices (pieces from each rank in rank order), run Newton-Schulz
-        recv_off = _offsets(batch.recv_split)
-        outs = {}
-        for m in mine:
-            gs = m.gs
-            size = m.end - m.start
-            full = updates[m.slot].new_empty(m.rows * m.cols)
-            # one flat buffer per tile (the whole matrix itself when TP does not cut it)
-            tiles = {} if gs.tiled else {(0, 0): full}
-            for r, (a, b) in enumerate(m.pieces):
-                if b <= a:
-                    continue
-                dst = tiles.get(gs.offsets[r])
-                if dst is None:
-                    dst = tiles[gs.offsets[r]] = full.new_empty(size)
-                if r == me:
-                    off = local_start[m.slot]
-                    dst[a - m.start: b - m.start] = updates[m.slot][a - off: b - off]
-                else:
-                    dst[a - m.start: b - m.start] = recv_buf[recv_off[r]: recv_off[r] + (b - a)]
-                    recv_off[r] += b - a
-            h, w = gs.tile
-            whole = full.view(m.rows, m.cols)
-            if gs.tiled:  # TP tiles into the global matrix
-                for (r0, c0), t in tiles.items():
-                    whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
-            out = newton_schulz(whole, coeffs, steps, eps)
-            outs[id(m)] = ({o: out[o[0]: o[0] + h, o[1]: o[1] + w].reshape(-1) for o in tiles}
-                           if gs.tiled else {(0, 0): out.reshape(-1)})
-            self.ns_calls += 1
-            stats["ns_flops"] += m.flops
-            stats["ns_matrices"] += 1
-        # backward: results to the ranks holding the pieces
-        if batch.needs_comm:
-            chunks = []
-            for d in range(world):
-                if d == me:
-                    continue
-                for m in mine:
-                    a, b = m.pieces[d]
-                    if b > a:
-                        chunks.append(outs[id(m)][m.gs.offsets[d]][a - m.start: b - m.start])
-            send = torch.cat(chunks) if chunks else updates[0].new_empty(0)
-            back = send.new_empty(sum(batch.send_split))
-            _all_to_all(back, send, batch.send_split, batch.recv_split, batch.group)
-            back_off = _offsets(batch.send_split)
-            for m in batch.matrices:
-                a, b = m.pieces[me]
-                if m.owner == me or b <= a:
-                    continue
-                off = local_start[m.slot]
-                o = back_off[m.owner]
-                results[m.slot][a - off: b - off] = back[o: o + (b - a)]
-                back_off[m.owner] += b - a
-        for m in mine:
-            a, b = m.pieces[me]
-            if b > a:
-                off = local_start[m.slot]
-                results[m.slot][a - off: b - off] = outs[id(m)][m.gs.offsets[me]][a - m.start: b - m.start]
 
     # -- AdamW groups ----------------------------------------------------------------
     def _adamw_group(self, group, gi):
@@ -620,6 +492,178 @@ class Muon(Optimizer):
         restore_flat_views(self, views)
 
 
+class _WaveRun:
+    """One batch's step, wave by wave: the forward all-to-all of wave ``k + 1`` is launched
+    before wave ``k`` is orthogonalised (on CUDA it runs on the device seam's ``"muon"`` lane,
+    a side stream), and wave ``k``'s results travel back while wave ``k + 1`` is orthogonalised.
+
+    Buffers: the forward sends ``send`` (this rank's pieces, by owner then matrix order) into
+    ``recv`` (the owner's pieces, by source then matrix order); the owner writes each result
+    into the ``recv`` slots its pieces came from, and the return trip sends ``recv`` back into
+    ``send``, whose layout is then the results of this rank's pieces. No other buffer."""
+
+    def __init__(self, opt: Muon, batch, items, group, stats):
+        self.opt, self.batch, self.items, self.group, self.stats = opt, batch, items, group, stats
+        self.me = batch.rank
+        self.local_start = [lay.local_range[0] for _, _, lay in items]
+        self.lr = _scalar(group["lr"])
+        dev = opt.__dict__.setdefault("_devices", {})
+        device = local_of(items[0][1]).device
+        if device not in dev:
+            dev[device] = device_for(device)
+        self.dev = dev[device]
+
+    def _update_piece(self, m, out: torch.Tensor) -> None:
+        """This rank's piece of ``m``'s Nesterov-blended update, rounded to bf16 into ``out``
+        (the rounding of ``.bfloat16()``)."""
+        a, b = m.pieces[self.me]
+        off = self.local_start[m.slot]
+        _, p, _ = self.items[m.slot]
+        g = local_of(p.grad).reshape(-1)[a - off: b - off]
+        buf = local_of(self.opt.state[p]["momentum_buffer"]).view(-1)[a - off: b - off]
+        out.copy_(g.lerp(buf, self.group["momentum"]) if self.group["nesterov"] else buf)
+
+    def _apply(self, m, res: torch.Tensor) -> None:
+        """Decoupled weight decay and the update on this rank's piece of ``m``."""
+        a, b = m.pieces[self.me]
+        off = self.local_start[m.slot]
+        _, p, lay = self.items[m.slot]
+        pl = local_of(p).view(-1)[a - off: b - off]
+        pl.mul_(1 - self.lr * self.group["weight_decay"])
+        pl.add_(res, alpha=-adjust_lr(self.lr, self.group["adjust_lr_fn"], m.rows, m.cols))
+
+    def _forward(self, wave):
+        """Launch the wave's pieces to their owners; ``(pending, send, recv)`` or None."""
+        if not wave.needs_comm:
+            return None
+        me, world = self.me, self.batch.world
+        ref = local_of(self.items[0][1].grad)
+        send = torch.empty(sum(wave.send_split), dtype=torch.bfloat16, device=ref.device)
+        o = 0
+        for d in range(world):
+            if d == me:
+                continue
+            for m in wave.matrices:
+                n = m.held(me)
+                if m.owner == d and n:
+                    self._update_piece(m, send[o: o + n])
+                    o += n
+        recv = send.new_empty(sum(wave.recv_split))
+        group = self.batch.group
+
+        def comm(async_op, recv=recv, send=send, wave=wave):
+            return _all_to_all(recv, send, wave.recv_split, wave.send_split, group, async_op)
+
+        return self.dev.launch("muon", comm, keep=(send, recv), out=(recv,)), send, recv
+
+    def _orthogonalise(self, wave, fwd) -> None:
+        me, world = self.me, self.batch.world
+        coeffs, steps, eps = self.group["ns_coefficients"], self.group["ns_steps"], self.group["eps"]
+        recv = fwd[2] if fwd is not None else None
+        recv_off = _offsets(wave.recv_split)
+        for m in wave.matrices:
+            if m.owner != me:
+                continue
+            gs = m.gs
+            size = m.end - m.start
+            h, w = gs.tile
+            full = torch.empty(m.rows * m.cols, dtype=torch.bfloat16, device=self.dev.device)
+            tiles = {} if gs.tiled else {(0, 0): full}  # one flat buffer per tile
+            slots = []  # (tile, lo, hi, recv offset) of the pieces that came from other ranks
+            for r in range(world):
+                a, b = m.pieces[r]
+                if b <= a:
+                    continue
+                dst = tiles.get(gs.offsets[r])
+                if dst is None:
+                    dst = tiles[gs.offsets[r]] = full.new_empty(size)
+                if r == me:
+                    self._update_piece(m, dst[a - m.start: b - m.start])
+                else:
+                    dst[a - m.start: b - m.start] = recv[recv_off[r]: recv_off[r] + (b - a)]
+                    slots.append((gs.offsets[r], a, b, recv_off[r]))
+                    recv_off[r] += b - a
+            whole = full.view(m.rows, m.cols)
+            if gs.tiled:  # TP tiles into the global matrix
+                for (r0, c0), t in tiles.items():
+                    whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
+                tiles = None
+            # hand the input over: with no reference left here its storage is freed after
+            # Newton-Schulz's first iteration, so the input and the last two iterates are
+            # never live at once (one matrix less at the step's peak; same operations)
+            held = [whole]
+            whole = full = tiles = dst = None
+            out = _newton_schulz_(held, coeffs, steps, eps)
+
+            def tile_of(o, out=out):
+                return out[o[0]: o[0] + h, o[1]: o[1] + w].reshape(-1) if gs.tiled else out.reshape(-1)
+
+            for o, a, b, at in slots:  # results into the slots the pieces came from
+                recv[at: at + (b - a)] = tile_of(o)[a - m.start: b - m.start]
+            a, b = m.pieces[me]
+            if b > a:
+                self._apply(m, tile_of(gs.offsets[me])[a - m.start: b - m.start])
+            del out
+            self.opt.ns_calls += 1
+            self.stats["ns_flops"] += m.flops
+            self.stats["ns_matrices"] += 1
+
+    def _back(self, wave, fwd):
+        """Launch the results back (``recv`` -> ``send``)."""
+        if fwd is None:
+            return None
+        _, send, recv = fwd
+        group = self.batch.group
+
+        def comm(async_op, recv=recv, send=send, wave=wave):
+            return _all_to_all(send, recv, wave.send_split, wave.recv_split, group, async_op)
+
+        return self.dev.launch("muon", comm, keep=(send, recv), out=(send,)), send
+
+    def _finish(self, wave, back) -> None:
+        if back is None:
+            return
+        pending, send = back
+        pending.wait()
+        me, world = self.me, self.batch.world
+        o = 0
+        for d in range(world):
+            if d == me:
+                continue
+            for m in wave.matrices:
+                n = m.held(me)
+                if m.owner == d and n:
+                    self._apply(m, send[o: o + n])
+                    o += n
+
+    def run(self) -> None:
+        waves = self.batch.waves
+        fwd = self._forward(waves[0])
+        back_prev = None
+        for k, wave in enumerate(waves):
+            nxt = self._forward(waves[k + 1]) if k + 1 < len(waves) else None
+            if fwd is not None:
+                fwd[0].wait()
+            self._orthogonalise(wave, fwd)
+            back = self._back(wave, fwd)
+            if back_prev is not None:
+                self._finish(*back_prev)
+            back_prev = (wave, back)
+            fwd = nxt
+        self._finish(*back_prev)
+
+
+@dataclass
+class _Plan:
+    batches: list
+    loads: dict  # id(group) -> per-rank Newton-Schulz flops
+    peaks: dict  # id(group) -> per-rank estimated bytes during the step
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    allgather_bytes_sent: int = 0
+    waves: int = 0
+
+
 def _per_rank(loads: dict):
     """Per-rank Newton-Schulz flops of the widest process group (what a report shows)."""
     if not loads:
@@ -635,12 +679,12 @@ def _offsets(split: list[int]) -> list[int]:
     return out
 
 
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_split, in_split, group) -> None:
+def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_split, in_split, group, async_op: bool = False):
     """all_to_all_single on raw bytes (gloo and NCCL move any dtype that way)."""
     esz = inp.element_size()
-    dist.all_to_all_single(
+    return dist.all_to_all_single(
         out.view(torch.uint8), inp.contiguous().view(torch.uint8),
-        [s * esz for s in out_split], [s * esz for s in in_split], group=group,
+        [s * esz for s in out_split], [s * esz for s in in_split], group=group, async_op=async_op,
     )
 
 

@@ -20,12 +20,14 @@ a spec is a granularity string the planner parses (``"tensor"``, ``"rows:K"``,
       fully_shard(block, mesh=mesh, granularity_fn=combined_granularity(model))
 
 Routing is never guessed from names: :func:`muon_param_groups` decides by module type and
-shape (``nn.Embedding`` weights, the output head and tensors with fewer than two dims go to
-AdamW; the other matrices to Muon), and the optimizers only follow ``use_muon`` flags.
+structure (``nn.Embedding`` weights, the output head and tensors with fewer than two dims go
+to AdamW; the other matrices to Muon; :func:`route_params` says why for each parameter), and
+the optimizers only follow ``use_muon`` flags.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable
@@ -35,8 +37,10 @@ from torch import nn
 
 __all__ = [
     "muon_granularity", "adamw8bit_granularity", "combined_granularity", "muon_param_groups",
-    "split_params", "check_finite",
+    "split_params", "route_params", "check_finite",
 ]
+
+_log = logging.getLogger("ragged_fsdp.optim")
 
 GranularityFn = Callable[[str, torch.Tensor], "str | None"]
 
@@ -92,46 +96,87 @@ def adamw8bit_granularity(block_size: int = 256, min_8bit_size: int = 4096) -> G
     return granularity
 
 
-def _head_modules(model: nn.Module, head) -> set[int]:
-    """ids of the output-head parameters: explicit ``head`` (modules or parameters), else
-    every Linear whose out_features equals some Embedding's num_embeddings (the vocabulary
-    projection) or whose weight is an Embedding's weight (tied)."""
-    out: set[int] = set()
+def _head_params(model: nn.Module, head) -> tuple[dict[int, str], str]:
+    """``({id(param): why}, how)`` for the output-head parameters (see :func:`route_params`)."""
+    out: dict[int, str] = {}
     if head is not None:
         items = head if isinstance(head, (list, tuple, set)) else [head]
         for h in items:
             if isinstance(h, nn.Module):
-                out.update(id(p) for p in h.parameters())
+                out.update((id(p), "head (explicit)") for p in h.parameters())
             elif isinstance(h, torch.Tensor):
-                out.add(id(h))
+                out[id(h)] = "head (explicit)"
             else:
                 raise TypeError(f"head: expected modules or parameters, got {type(h).__name__}")
-        return out
-    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
-    emb_weights = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))}
+        return out, "explicit"
+    embeds = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    emb_weights = {id(m.weight) for m in embeds}
+    for m in model.modules():  # tied to an embedding: its weight is the embedding's
+        if isinstance(m, nn.Linear) and id(m.weight) in emb_weights:
+            out.update((id(p), "head (tied to an embedding)") for p in m.parameters())
+    get = getattr(model, "get_output_embeddings", None)
+    if callable(get):  # transformers' models name their output layer
+        try:
+            o = get()
+        except Exception:  # a model class without an output layer may raise: no head from it
+            o = None
+        if isinstance(o, nn.Module):
+            out.update((id(p), "head (get_output_embeddings())") for p in o.parameters())
+            return out, "get_output_embeddings"
+    # The output layer: the last Linear outside repeated blocks (ModuleList/ModuleDict) whose
+    # outputs are the vocabulary (an Embedding's size). A Linear of the same width inside a
+    # block is a hidden matrix, not the head.
+    inside: set[int] = set()
     for m in model.modules():
-        if isinstance(m, nn.Linear) and (m.out_features in vocab or id(m.weight) in emb_weights):
-            out.update(id(p) for p in m.parameters())
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            inside.update(id(sub) for sub in m.modules())
+    vocab = {m.num_embeddings for m in embeds}
+    last = None
+    for m in model.modules():
+        if isinstance(m, nn.Linear) and id(m) not in inside and m.out_features in vocab:
+            last = m
+    if last is not None:
+        out.update((id(p), "head (the last Linear outside repeated blocks with an Embedding's vocabulary "
+                           "size as outputs)") for p in last.parameters())
+    return out, "structure"
+
+
+def route_params(model: nn.Module, head=None) -> list[tuple[str, str, str]]:
+    """Where each trainable parameter goes and why: ``(name, "muon" | "adamw", reason)`` in
+    ``named_parameters`` order (shared parameters once).
+
+    AdamW: embedding weights, tensors with fewer than 2 dims, and the output head: ``head``
+    (modules or parameters) when given; else a Linear tied to an Embedding's weight, plus the
+    model's ``get_output_embeddings()`` when it has one (transformers), else the last
+    ``nn.Linear`` outside ``ModuleList``/``ModuleDict`` blocks whose ``out_features`` is an
+    Embedding's ``num_embeddings``. Muon: every other matrix (2-D, and stacked 3-D+ experts).
+    Names never decide."""
+    embeds: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            embeds.update(id(p) for p in m.parameters())
+    heads, _ = _head_params(model, head)
+    out = []
+    for name, p in model.named_parameters():  # de-duplicates shared parameters
+        if not p.requires_grad:
+            continue
+        if id(p) in heads:
+            out.append((name, "adamw", heads[id(p)]))
+        elif id(p) in embeds:
+            out.append((name, "adamw", "embedding"))
+        elif p.dim() < 2:
+            out.append((name, "adamw", f"{p.dim()}-D"))
+        else:
+            out.append((name, "muon", f"{p.dim()}-D matrix" if p.dim() == 2 else f"{p.dim()}-D stacked matrices"))
     return out
 
 
 def split_params(model: nn.Module, head=None) -> tuple[list, list]:
-    """``(muon, adamw)``: lists of ``(name, param)``. AdamW gets embeddings, the output head
-    (see ``head``) and tensors with fewer than 2 dims; Muon the other matrices (2-D and
-    stacked 3-D+). Shared parameters appear once."""
-    embeds = set()
-    for m in model.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-            embeds.update(id(p) for p in m.parameters())
-    heads = _head_modules(model, head)
+    """``(muon, adamw)``: lists of ``(name, param)`` as :func:`route_params` routes them."""
+    params = dict(model.named_parameters())
     muon, other = [], []
-    for name, p in model.named_parameters():  # de-duplicates shared parameters
-        if not p.requires_grad:
-            continue
-        if id(p) in embeds or id(p) in heads or p.dim() < 2:
-            other.append((name, p))
-        else:
-            muon.append((name, p))
+    for name, where, _ in route_params(model, head):
+        (muon if where == "muon" else other).append((name, params[name]))
     return muon, other
 
 
@@ -141,9 +186,15 @@ def muon_param_groups(model: nn.Module, *, head=None, muon: dict | None = None,
 
         opt = Muon(muon_param_groups(model, muon={"lr": 0.02}, adamw={"lr": 3e-4}))
 
-    ``head``: the output module(s) or parameter(s) to keep on AdamW; by default every Linear
-    projecting to an Embedding's vocabulary size (or tied to an Embedding)."""
+    ``head``: the output module(s) or parameter(s) to keep on AdamW; by default found from
+    the module's structure (:func:`route_params`, which also says why each parameter went
+    where). The split is logged at INFO on the ``ragged_fsdp.optim`` logger: every AdamW
+    parameter with its reason, and the Muon count."""
+    routes = route_params(model, head)
     m, a = split_params(model, head)
+    if _log.isEnabledFor(logging.INFO):
+        to_adamw = ", ".join(f"{n} ({why})" for n, where, why in routes if where == "adamw")
+        _log.info("muon_param_groups: %d parameters to Muon, %d to AdamW: %s", len(m), len(a), to_adamw or "none")
     groups = []
     if m:
         groups.append({"params": m, "use_muon": True, **(muon or {})})

@@ -1,0 +1,212 @@
+"""Muon's step plan: which rank orthogonalises each matrix, and in which waves.
+
+Newton-Schulz needs a whole matrix, so each matrix gets one **owner** that gathers its
+pieces, orthogonalises it and sends the pieces of the result back. The plan is pure (the
+same on every rank: it reads only layouts, which every rank knows for every rank) and has
+two parts:
+
+* **Waves.** The matrices of one process group are cut, in order, into waves of at most
+  ``wave_bytes`` bytes of whole bf16 matrices (a larger matrix is a wave of its own). The
+  step moves and orthogonalises one wave at a time, so what a rank holds beyond its
+  persistent state is about one wave plus one matrix's Newton-Schulz workspace, not bf16
+  copies of all its matrices. ``wave_bytes=None`` makes one wave of everything.
+* **Owners.** A matrix held whole by one rank is owned there (nothing moves). The others
+  go, largest first within each wave, to one of the ranks whose Newton-Schulz flops so far
+  are within ``FLOPS_SLACK`` (5%) of the mean above the least-loaded rank's, and among
+  those to the one holding the least memory during the step: its pieces of every matrix
+  (parameter + gradient + momentum bytes) plus the whole matrices it already owns in this
+  wave. Flops alone (the plan before waves) break ties by who holds most of the matrix,
+  which piles owned matrices onto the rank that already holds the most.
+
+:func:`plan_summary` gives the per-rank estimate the optimizer reports in
+``last_step_stats``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ._gather import GatherSet
+from ._layout import Layout
+
+__all__ = ["Matrix", "Wave", "Batch", "newton_schulz_flops", "ns_workspace_bytes", "matrices_of",
+           "make_waves", "assign_owners", "finish_wave", "DEFAULT_NS_STEPS"]
+
+DEFAULT_NS_STEPS = 5
+BF16 = 2
+# A rank whose Newton-Schulz flops are within this fraction of the mean of the least-loaded
+# rank's may take a matrix; among those, the one holding the least memory does.
+FLOPS_SLACK = 0.05
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> int:
+    """Multiply-add flops (2 per MAC) of Newton-Schulz on a ``rows x cols`` matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    # X X^T: m*m*n MACs; A A: m^3; (.) X: m*m*n.
+    return steps * 2 * (2 * m * m * n + m * m * m)
+
+
+def ns_workspace_bytes(rows: int, cols: int) -> int:
+    """Peak bytes Newton-Schulz allocates on a ``rows x cols`` matrix given as a bf16 buffer it
+    may overwrite: the next iterate (``rows*cols``) and the two ``m x m`` Gram products, bf16."""
+    m = min(rows, cols)
+    return BF16 * (rows * cols + 2 * m * m)
+
+
+@dataclass
+class Matrix:
+    slot: int  # index of the parameter in the group's list of params with grads
+    start: int  # element range of the matrix's tile inside the flat outer-local tensor
+    end: int
+    rows: int  # of the global matrix
+    cols: int
+    flops: int
+    owner: int = 0
+    # per member of the gather set: (start, end) of the tile held by it, clipped to the tile
+    pieces: tuple = ()
+    gs: GatherSet | None = None  # who holds the tiles (and where each tile sits)
+    state_bytes: int = 12  # bytes per element held during the step: param + grad + momentum
+
+    @property
+    def whole_bytes(self) -> int:
+        return BF16 * self.rows * self.cols
+
+    def held(self, r: int) -> int:
+        a, b = self.pieces[r]
+        return b - a
+
+
+@dataclass
+class Wave:
+    """Matrices moved and orthogonalised together; the same cut on every rank."""
+
+    matrices: list = field(default_factory=list)
+    needs_comm: bool = False
+    send_split: list = field(default_factory=list)  # elements this rank sends to each rank
+    recv_split: list = field(default_factory=list)
+
+
+@dataclass
+class Batch:
+    """The matrices of one param group that share one process group (or none: unsharded)."""
+
+    group: object | None
+    rank: int
+    world: int
+    matrices: list = field(default_factory=list)
+    waves: list = field(default_factory=list)
+
+
+def matrices_of(slot: int, lay: Layout, gs: GatherSet, steps: int, state_bytes: int = 12) -> list[Matrix]:
+    """The matrices of one parameter: the ``k``-th matrix of the outer-local tensor is the same
+    global matrix on every member (TP never cuts the leading dims), each member holding its
+    RaggedShard rank's run of its own tile."""
+    rows, cols = lay.shape[-2], lay.shape[-1]
+    h, w = gs.tile
+    size = h * w
+    count = math.prod(lay.outer_shape[:-2])
+    if size == 0 or rows * cols == 0:
+        return []
+    flops = newton_schulz_flops(rows, cols, steps)
+    runs = [lay.ranges[r] for r in gs.ragged]
+    out = []
+    for k in range(count):
+        s, e = k * size, (k + 1) * size
+        pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in runs)
+        out.append(Matrix(slot, s, e, rows, cols, flops, pieces=pieces, gs=gs, state_bytes=state_bytes))
+    return out
+
+
+def make_waves(matrices: list[Matrix], wave_bytes: int | None) -> list[Wave]:
+    """Consecutive matrices, at most ``wave_bytes`` of whole bf16 matrices per wave (one
+    matrix at least); ``None``: one wave."""
+    if wave_bytes is None:
+        return [Wave(list(matrices))] if matrices else []
+    waves, cur, size = [], [], 0
+    for m in matrices:
+        if cur and size + m.whole_bytes > wave_bytes:
+            waves.append(Wave(cur))
+            cur, size = [], 0
+        cur.append(m)
+        size += m.whole_bytes
+    if cur:
+        waves.append(Wave(cur))
+    return waves
+
+
+def _holders(m: Matrix) -> list[int]:
+    return [r for r in range(len(m.pieces)) if m.held(r) > 0]
+
+
+def assign_owners(batches: list[Batch]) -> dict:
+    """Owners for every matrix (see the module docstring); returns ``{"flops": {id(group):
+    per-rank flops}, "peak": {id(group): per-rank estimated step bytes}}``."""
+    flops: dict = {}
+    persist: dict = {}
+    totals: dict = {}
+    for batch in batches:
+        key = id(batch.group)
+        world = batch.world
+        load = flops.setdefault(key, [0] * world)
+        held = persist.setdefault(key, [0] * world)
+        tot = totals.setdefault(key, [0, 0])  # flops of every matrix, workspace bytes of every matrix
+        for m in batch.matrices:
+            for r in range(world):
+                held[r] += m.held(r) * m.state_bytes
+            tot[0] += m.flops
+            tot[1] += m.whole_bytes
+    peaks = {key: list(v) for key, v in persist.items()}  # persistent + the worst wave
+    for batch in batches:
+        key = id(batch.group)
+        world = batch.world
+        load, held, peak = flops[key], persist[key], peaks[key]
+        mean_flops = max(1.0, totals[key][0] / world)
+        for wave in batch.waves:
+            owned = [0] * world  # bytes each rank holds for this wave as owner
+            free = []
+            for m in wave.matrices:
+                hs = _holders(m)
+                if batch.group is None or len(hs) == 1:
+                    m.owner = hs[0] if batch.group is not None else 0
+                    load[m.owner] += m.flops
+                    owned[m.owner] += m.whole_bytes
+                else:
+                    free.append(m)
+            for m in sorted(free, key=lambda x: -x.flops):  # stable: ties keep matrix order
+                # flops first (within FLOPS_SLACK of the least-loaded rank), then memory
+                least = min(load)
+                near = [r for r in range(world) if load[r] <= least + FLOPS_SLACK * mean_flops]
+                m.owner = min(near, key=lambda r, m=m: (held[r] + owned[r] + m.whole_bytes, -m.held(r), r))
+                load[m.owner] += m.flops
+                owned[m.owner] += m.whole_bytes
+            big = [0] * world  # the largest Newton-Schulz workspace each rank needs in this wave
+            for m in wave.matrices:
+                big[m.owner] = max(big[m.owner], ns_workspace_bytes(m.rows, m.cols))
+            for r in range(world):
+                # pieces of the wave (bf16, out and back) + owned whole matrices + one workspace
+                mine = sum(m.held(r) for m in wave.matrices) * BF16
+                peak[r] = max(peak[r], held[r] + mine + owned[r] + big[r])
+    return {"flops": flops, "peak": peaks}
+
+
+def finish_wave(wave: Wave, me: int, world: int, grouped: bool, elem_bytes: int = BF16) -> tuple[int, int]:
+    """Fill the wave's all-to-all splits for rank ``me``; returns ``(bytes sent, bytes an
+    all-gather of every local piece would send)``."""
+    send = [0] * world
+    recv = [0] * world
+    moved = False
+    for m in wave.matrices:
+        for r in range(world):
+            n = m.held(r)
+            if n and r != m.owner:
+                moved = True
+                if r == me:
+                    send[m.owner] += n
+                if m.owner == me:
+                    recv[r] += n
+    wave.send_split, wave.recv_split, wave.needs_comm = send, recv, moved
+    # this rank's bytes: pieces out + results in, and (as owner) pieces in + results out
+    sent = (sum(send) + sum(recv)) * elem_bytes
+    local_total = sum(m.held(me) for m in wave.matrices) if grouped else 0
+    return sent, (world - 1) * local_total * elem_bytes
