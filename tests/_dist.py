@@ -94,11 +94,15 @@ def run_cases(world: int, cases, timeout: float = 900) -> dict[str, str | None]:
     import time
 
     deadline = time.monotonic() + timeout
-    while pending:
+    while pending and time.monotonic() < deadline:
         try:
-            name, rank, err = queue.get(timeout=max(1.0, deadline - time.monotonic()))
+            name, rank, err = queue.get(timeout=2.0)
         except _q.Empty:
-            break
+            # every worker gone with reports missing (a crash, or a rank that left after a
+            # failed barrier): nothing more can arrive, so stop waiting for the deadline
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
         pending -= 1
         reports[name] += 1
         if err is not None:
