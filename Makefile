@@ -10,13 +10,14 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 .PHONY: demo test docs test-torch214 test-torch215 bench bench-torch215 plan clean gpu-check
 
 # A second torch: a representative subset of the suite (placement, engine numerics and patterns,
+# the private torch calls of fsdp/core/torch_private.py,
 # checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on local disk (a
 # CUDA build; it runs on the CPU); only pytest and hypothesis come with it. CI runs the same subset
 # on torch 2.15.0 instead (test-torch215, below); this target stays for a manual check.
 VENV214 := .venv-torch214
 STAMP214 := $(VENV214)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 TORCH214_TESTS := tests/test_placement.py tests/test_placement_dist.py tests/test_fsdp_numerics.py \
-	tests/test_patterns_engine.py tests/test_checkpoint.py tests/test_optim_api.py
+	tests/test_patterns_engine.py tests/test_checkpoint.py tests/test_optim_api.py tests/test_torch_private.py
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

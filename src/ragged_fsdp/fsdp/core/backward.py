@@ -57,13 +57,12 @@ from torch.autograd.profiler import record_function
 
 from .common import TrainingState
 from .hooks import attach_post_backward, eager, in_backward
+from .torch_private import (TorchPrivateMissing, pop_saved_tensors_hooks, push_saved_tensors_hooks,
+                            saved_tensors_hooks_top, storage_use_count, tensor_use_count)
 from .unit import Unit
 
 __all__ = ["ForwardRecord", "BackwardRecord", "BackwardNeeds", "Group", "PausedWatch", "SavedWatch",
            "pause_outer_watch", "resume_outer_watch", "start_watch", "stop_watch", "watching"]
-
-_hooks = torch._C._autograd
-
 
 # -- the saved-tensor watch ----------------------------------------------------------------
 class SavedWatch:
@@ -98,7 +97,12 @@ class SavedWatch:
 
 
 def _top():
-    return _hooks._top_saved_tensors_default_hooks(False)
+    # torch's private calls live in torch_private.py; without the stack's top the watch
+    # cannot know whose hooks are on, and reads as someone else's: no watch, nothing skipped
+    try:
+        return saved_tensors_hooks_top()
+    except TorchPrivateMissing:
+        return (None, None)
 
 
 def watching(w: SavedWatch) -> bool:
@@ -113,7 +117,10 @@ def start_watch(storages: dict[int, int], units: list[Unit] = ()) -> SavedWatch 
     if top is not None and not isinstance(getattr(top[0], "__self__", None), SavedWatch):
         return None
     w = SavedWatch(storages, units)
-    _hooks._push_saved_tensors_default_hooks(w.pack, w.unpack)
+    try:
+        push_saved_tensors_hooks(w.pack, w.unpack)
+    except TorchPrivateMissing:
+        return None
     return w
 
 
@@ -122,7 +129,7 @@ def stop_watch(w: SavedWatch | None) -> None:
     if w is None:
         return
     if watching(w):
-        _hooks._pop_saved_tensors_default_hooks()
+        pop_saved_tensors_hooks()
     w.closed = True
 
 
@@ -139,6 +146,8 @@ def stop_watch(w: SavedWatch | None) -> None:
 # collective's work object, dropped after its wait, can release its references from gloo's
 # thread at any time (seen on the first block's forward), and reading that would make the
 # decision depend on timing, where every rank must take the same one.
+# The hook stack and the counts are torch internals, reached only through torch_private.py,
+# which tests/test_torch_private.py pins on every torch the CI runs.
 @dataclass
 class PausedWatch:
     watch: SavedWatch
@@ -147,10 +156,10 @@ class PausedWatch:
 
 
 def _references(u: Unit) -> int:
-    n = torch._C._storage_Use_Count(u.buf.unsharded.untyped_storage()._cdata)
+    n = storage_use_count(u.buf.unsharded)
     for i in u.infos:
         if i.unsharded is not None:
-            n += i.unsharded._use_count()
+            n += tensor_use_count(i.unsharded)
     return n
 
 
@@ -168,7 +177,7 @@ def pause_outer_watch(modules: tuple[nn.Module, ...]) -> PausedWatch | None:
         counts = [(u, _references(u)) for u in w.units]
     except Exception:  # a subclass parameter without these counts: keep watching
         return None
-    _hooks._pop_saved_tensors_default_hooks()
+    pop_saved_tensors_hooks()
     w.paused = True
     return PausedWatch(w, _top(), counts)
 
@@ -191,7 +200,7 @@ def resume_outer_watch(p: PausedWatch) -> None:
         # someone's hooks were left on the stack: the watch could not see what comes next
         w.opaque = True
         return
-    _hooks._push_saved_tensors_default_hooks(w.pack, w.unpack)
+    push_saved_tensors_hooks(w.pack, w.unpack)
 
 
 # -- the group's record of its forward calls -------------------------------------------------

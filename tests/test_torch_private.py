@@ -1,0 +1,263 @@
+"""What the saved-tensor watch relies on from torch's private calls, pinned on every torch CI runs.
+
+``ragged_fsdp.fsdp.core.torch_private`` is the one place the engine reaches torch's private
+saved-tensor hook stack and reference counts (``fsdp/core/backward.py``'s watch uses them to
+free the root's embedding buffer after forward, free its norm + head at their early
+reduction, and keep the watch off while a wrapped block runs forward). The first tests
+check each function's contract in this process; the distributed cases (gloo, W = 2, one
+launch) check what the engine gets from them. A failure names the seam function and the
+behaviour that changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+from _dist import check_case, run_cases
+from _patterns import _ce, _tiny, _wrap_blocks, compare_steps
+
+from ragged_fsdp.fsdp.core import torch_private as tp
+from ragged_fsdp.models.llama import Llama
+
+SEAM = "ragged_fsdp.fsdp.core.torch_private"
+
+
+def _broke(fn: str, what: str) -> str:
+    return (f"{SEAM}.{fn} on torch {torch.__version__}: {what}. The saved-tensor watch in "
+            f"fsdp/core/backward.py relies on it; adapt {fn} to this torch.")
+
+
+class _Pair:
+    """A pack/unpack pair that counts what it packed."""
+
+    def __init__(self):
+        self.packed = 0
+
+    def pack(self, t):
+        self.packed += 1
+        return t
+
+    def unpack(self, t):
+        return t
+
+
+def _saves():
+    a = torch.ones(3, requires_grad=True)
+    return a * a  # mul saves both operands
+
+
+# -- each function's contract, in this process -----------------------------------------------
+def test_hook_stack_top_push_pop():
+    assert tp.saved_tensors_hooks_top() is None, _broke("saved_tensors_hooks_top", "not None with no hooks pushed")
+    w = _Pair()
+    tp.push_saved_tensors_hooks(w.pack, w.unpack)
+    try:
+        top = tp.saved_tensors_hooks_top()
+        assert top is not None and top[0].__self__ is w and top[1].__self__ is w, _broke(
+            "saved_tensors_hooks_top", f"returned {top!r}, not the pair just pushed")
+        _saves()
+        assert w.packed == 2, _broke("push_saved_tensors_hooks", f"the pushed pack hook saw {w.packed} of 2 saves")
+    finally:
+        tp.pop_saved_tensors_hooks()
+    assert tp.saved_tensors_hooks_top() is None, _broke("pop_saved_tensors_hooks", "the pair is still on top")
+    _saves()
+    assert w.packed == 2, _broke("pop_saved_tensors_hooks", "a popped pack hook still sees saves")
+
+
+def test_hook_stack_shared_with_public_hooks_and_popped_out_of_order():
+    """Activation checkpointing's hooks (``saved_tensors_hooks``) are seen on top; the watch
+    is popped from above them and pushed back (a nested group's pause) while they stay."""
+    foreign, w = _Pair(), _Pair()
+    with saved_tensors_hooks(foreign.pack, foreign.unpack):
+        top = tp.saved_tensors_hooks_top()
+        assert top is not None and top[0].__self__ is foreign, _broke(
+            "saved_tensors_hooks_top", "does not see hooks pushed by torch.autograd.graph.saved_tensors_hooks")
+        tp.push_saved_tensors_hooks(w.pack, w.unpack)
+        tp.pop_saved_tensors_hooks()  # paused
+        top = tp.saved_tensors_hooks_top()
+        assert top is not None and top[0].__self__ is foreign, _broke(
+            "pop_saved_tensors_hooks", "the hooks under the popped pair are not on top again")
+        _saves()
+        tp.push_saved_tensors_hooks(w.pack, w.unpack)  # resumed
+        _saves()
+        tp.pop_saved_tensors_hooks()
+        assert (foreign.packed, w.packed) == (2, 2), _broke(
+            "push_saved_tensors_hooks", f"packs seen (foreign, watch) = {(foreign.packed, w.packed)}, expected (2, 2)")
+    assert tp.saved_tensors_hooks_top() is None, _broke("pop_saved_tensors_hooks", "the stack is not empty again")
+
+
+def test_use_counts_grow_while_autograd_saves():
+    buf = torch.zeros(4 * 3 + 5)  # an unsharded buffer; the parameters are leaf views of it
+    p = buf[:12].view(4, 3).requires_grad_()
+    q = buf[12:].requires_grad_()
+    x = torch.randn(2, 3, requires_grad=True)
+    s0, p0, q0 = tp.storage_use_count(buf), tp.tensor_use_count(p), tp.tensor_use_count(q)
+    assert s0 >= 3, _broke("storage_use_count", f"count {s0} for a storage three tensors view")
+    assert p0 >= 1, _broke("tensor_use_count", f"count {p0} for a tensor that exists")
+
+    y = x @ p.t()  # mm saves a view of p: a new tensor on the buffer's storage
+    assert tp.storage_use_count(buf) > s0, _broke(
+        "storage_use_count", "did not grow while autograd holds a saved view of the storage")
+    del y
+    assert tp.storage_use_count(buf) == s0, _broke("storage_use_count", "did not fall back once the graph was freed")
+
+    y = x[:, :1] * q  # mul saves q itself
+    assert tp.tensor_use_count(q) > q0, _broke(
+        "tensor_use_count", "did not grow while autograd holds the tensor itself (saved by mul)")
+    assert tp.storage_use_count(buf) == s0, _broke(
+        "storage_use_count", "grew when autograd saved a tensor itself, not a new view")
+    del y
+    assert tp.tensor_use_count(q) == q0 and tp.tensor_use_count(p) == p0, _broke(
+        "tensor_use_count", "did not fall back once the graph was freed")
+
+
+def test_missing_private_call_is_named_and_the_watch_stays_off(monkeypatch):
+    """A torch without the stack's top: the seam names the call, and the watch does not start
+    (nothing is skipped or freed early: the safe branch)."""
+    from ragged_fsdp.fsdp.core.backward import start_watch
+
+    monkeypatch.delattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    with pytest.raises(tp.TorchPrivateMissing, match="torch_private.saved_tensors_hooks_top"):
+        tp.saved_tensors_hooks_top()
+    assert start_watch({}, []) is None
+
+
+# -- what the engine gets from them (gloo, W = 2) --------------------------------------------
+def _step(m, t, y, distributed):
+    _ce(m(t), y).backward()
+
+
+def _forward_frees(tr, buffer):
+    return [e for e in tr.of("free", buffer=buffer) if not e.backward]
+
+
+def case_watch_frees_embedding_and_head(rank, world):
+    """The root's embedding buffer is freed after forward and not gathered in backward; its
+    norm + head buffer is freed right before its early reduction; the root's watch is off the
+    stack while a block runs forward and back on it for the norm."""
+    from ragged_fsdp.fsdp import trace
+
+    seen = {}
+
+    def top_at(where):
+        def hook(module, args):
+            seen.setdefault(where, tp.saved_tensors_hooks_top())
+        return hook
+
+    def wrap(m, mesh):
+        m.layers[0].attention.register_forward_pre_hook(top_at("block"))
+        m = _wrap_blocks(m, mesh)
+        m.norm.register_forward_pre_hook(top_at("norm"))
+        return m
+
+    with trace() as tr:
+        compare_steps(rank, world, lambda: Llama(_tiny()), wrap, _step, steps=1)
+    emb, head = tr.buffer_of("tok_embeddings.weight"), tr.buffer_of("output.weight")
+    assert _forward_frees(tr, emb), (
+        f"the root's embedding buffer was not freed after forward: the saved-tensor watch learned nothing "
+        f"(check {SEAM}.saved_tensors_hooks_top / push / pop)\n{tr.table()}")
+    assert not [e for e in tr.of("all_gather", buffer=emb) if e.backward], tr.table()
+    ev = [e for e in tr if e.backward]
+    k = next(i for i, e in enumerate(ev) if e.kind == "reduce_scatter" and e.buffer == head)
+    assert ev[k].early and ev[k - 1].kind == "free" and ev[k - 1].buffer == head, (
+        f"the root's norm + head were not freed at their early reduction (check {SEAM})\n{tr.table()}")
+    assert seen["block"] is None, (
+        f"the root's watch stayed on the hook stack while a block ran forward: {SEAM}.pop_saved_tensors_hooks "
+        f"or saved_tensors_hooks_top changed ({seen['block']!r})")
+    assert seen["norm"] is not None, f"the root's watch was not pushed back after the blocks ({SEAM})"
+
+
+class _PeekingBlock(nn.Module):
+    """A block that also saves a detached view of the root's embedding weight (only the
+    storage's count shows it) and the root's norm weight itself (only the tensor's count
+    shows it), both reached outside the module tree."""
+
+    def __init__(self, block, root):
+        super().__init__()
+        self.block = block
+        self._root = [root]
+
+    def forward(self, h, cos, sin):
+        root = self._root[0]
+        w = root.tok_embeddings.weight.detach()
+        return self.block(h, cos, sin) + 0.01 * F.linear(h @ w.t(), w.t()) + 0.01 * h * root.norm.weight
+
+
+class _PeekingLlama(Llama):
+    def __init__(self, cfg, before_blocks_backward):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(_PeekingBlock(b, self) for b in self.layers)
+        self._check = [before_blocks_backward]
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        if h.requires_grad:  # runs once the norm + head finished backward, before any block's
+            h.register_hook(lambda g: self._check[0]())
+        return self.output(self.norm(h))
+
+
+def case_saved_inside_a_block_is_kept(rank, world):
+    """What a block saves of the root's units while the root's watch is paused shows in the
+    reference counts: the embedding stays gathered after forward, and the norm + head are
+    reduced early but not freed (the blocks' backward still reads the norm weight)."""
+    from ragged_fsdp.fsdp import trace
+
+    checked = []
+
+    def root_units_kept():
+        # checked before the blocks' backward reads what they saved (freed, it would crash)
+        checked.append(True)
+        assert not [e for e in tr if e.kind == "free" and not e.backward and "tok_embeddings.weight" in e.params], (
+            f"the root freed its embedding buffer after a block saved a view of it: {SEAM}.storage_use_count "
+            f"no longer grows when autograd saves a view of the storage\n{tr.table()}")
+        assert not [e for e in tr if e.kind == "free" and e.backward and "output.weight" in e.params], (
+            f"the root freed its norm + head after a block saved the norm weight: {SEAM}.tensor_use_count "
+            f"no longer grows when autograd saves a tensor itself\n{tr.table()}")
+
+    with trace() as tr:
+        compare_steps(rank, world, lambda: _PeekingLlama(_tiny(), root_units_kept), _wrap_blocks, _step,
+                      steps=1)
+    assert len(checked) == 2, checked  # the reference's backward and the wrapped model's
+    head = tr.buffer_of("output.weight")
+    assert [e for e in tr.of("reduce_scatter", buffer=head) if e.early], tr.table()
+
+
+class _CheckpointedEmbedding(Llama):
+    def forward(self, tokens):
+        h = checkpoint(self.tok_embeddings, tokens, use_reentrant=False) * 1.0
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+
+def case_checkpoint_hooks_seen(rank, world):
+    """Under activation checkpointing's hooks the watch cannot see the saves: the embedding
+    stays gathered (its recomputation reads the weight)."""
+    from ragged_fsdp.fsdp import trace
+
+    with trace() as tr:
+        compare_steps(rank, world, lambda: _CheckpointedEmbedding(_tiny()), _wrap_blocks, _step, steps=1)
+    emb = tr.buffer_of("tok_embeddings.weight")
+    assert not _forward_frees(tr, emb), (
+        f"the embedding was freed after a forward run under a checkpoint's hooks: {SEAM}.saved_tensors_hooks_top "
+        f"no longer shows hooks pushed by torch.autograd.graph.saved_tensors_hooks\n{tr.table()}")
+
+
+CASES = [case_watch_frees_embedding_and_head, case_checkpoint_hooks_seen, case_saved_inside_a_block_is_kept]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_cases(2, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_engine(results, case):
+    check_case(results, case, 2)
