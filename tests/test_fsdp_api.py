@@ -33,7 +33,7 @@ def _wrap_blocks(model, mesh):
 
 def _in_buffer(p, model_or_block) -> bool:
     """Whether ``p``'s local tensor lies inside one of the group's sharded segments."""
-    local = p._local_tensor
+    local = p.to_local()
     for buf in model_or_block.dbuffers:
         seg = buf.sharded
         lo = seg.data_ptr()

@@ -1,4 +1,4 @@
-"""FSDP2's extension points on ragged_fsdp modules (issue 24 items 1 and 4), W = 2, one launch.
+"""FSDP2's extension points on ragged_fsdp modules, W = 2, one launch.
 
 * ``register_fsdp_forward_method``: a ``generate`` that calls the submodules directly (never
   ``forward``) under ``torch.no_grad()`` gives exactly the unsharded model's tokens, on FSDP
@@ -193,11 +193,11 @@ def _train(model, rank, steps=2, setup=None, zero_grad=True):
             loss.backward()
         traces.append(t)
         losses.append(loss.detach())
-        grads = {n: p.grad._local_tensor.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
         opt.step()
         if zero_grad:
             opt.zero_grad()
-    params = {n: p._local_tensor.detach().clone() for n, p in model.named_parameters()}
+    params = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     return losses, grads, params, traces
 
 

@@ -61,7 +61,7 @@ def _units(model):
 
 
 def _locals(model):
-    return [p._local_tensor.detach().clone() for p in model.parameters()]
+    return [p.to_local().detach().clone() for p in model.parameters()]
 
 
 def _train(model, opt, rank, world, steps, start=0, between=None):
@@ -104,7 +104,7 @@ def _check_params_trace(log, model):
         assert kinds and len(kinds) % 3 == 0, kinds
         assert kinds == ["h2d", "all_gather", "unstage"] * (len(kinds) // 3), kinds
         for info in u.infos:  # the parameters are views of the host segment
-            assert info.sharded._local_tensor.untyped_storage().data_ptr() == u.buf.sharded.untyped_storage().data_ptr()
+            assert info.sharded.to_local().untyped_storage().data_ptr() == u.buf.sharded.untyped_storage().data_ptr()
 
 
 def case_policies_bitwise(rank, world):
@@ -121,7 +121,7 @@ def case_policies_bitwise(rank, world):
             def look():  # after backward, before the step
                 for u in _units(model):
                     gs = [i.sharded.grad for i in u.infos if i.sharded.grad is not None]
-                    grads_seen.append({g._local_tensor.untyped_storage().data_ptr() for g in gs})
+                    grads_seen.append({g.to_local().untyped_storage().data_ptr() for g in gs})
 
             with trace() as log:
                 got = _train(model, opt, rank, world, STEPS, between=look)
@@ -150,7 +150,7 @@ def case_policies_bitwise(rank, world):
                 assert stats["streamed_bytes_in"] > 0
             if name in ("states", "grads+states"):
                 # the states are host buffers: not the device's; one per state key and kind
-                st = [opt.state[p]["exp_avg"]._local_tensor for p in model.parameters()]
+                st = [opt.state[p]["exp_avg"].to_local() for p in model.parameters()]
                 assert len({t.untyped_storage().data_ptr() for t in st}) == 1
                 assert stats["streamed_bytes_out"] == stats["streamed_bytes_in"] - (
                     0 if name == "states" else sum(u.buf.segment * 4 for u in _units(model) if u.trainable))
@@ -206,18 +206,18 @@ def _switch_case(rank, world, make_opt, policy=None):
         opt = make_opt(model)
         got = _train(model, opt, rank, world, 2)
         params_before = _locals(model)
-        states = lambda: [v._local_tensor for s in opt.state.values() for k, v in s.items() if k != "step"]  # noqa: E731
+        states = lambda: [v.to_local() for s in opt.state.values() for k, v in s.items() if k != "step"]  # noqa: E731
         state_vals = [t.clone() for t in states()]
         state_ptrs, n_state_storages = _storages(states()), len(_storages(states()))
         units = _units(model)
         old_bufs = [weakref.ref(u.buf.sharded) for u in units if not u.buf.host_sharded]
-        old_ptrs = _storages([p._local_tensor for p in model.parameters()])
+        old_ptrs = _storages([p.to_local() for p in model.parameters()])
         with trace() as log:
             offload_to_host(model, opt)
         gc.collect()
         assert all(r() is None for r in old_bufs), "a device segment is still referenced after offload_to_host"
         if policy is None:
-            assert not (_storages([p._local_tensor for p in model.parameters()]) & old_ptrs)
+            assert not (_storages([p.to_local() for p in model.parameters()]) & old_ptrs)
             assert len(log.of("d2h")) == len(units)  # one copy per buffer
         if policy is None:
             # the flat state buffers moved whole: as many storages as before, none of the old ones
@@ -242,7 +242,7 @@ def _switch_case(rank, world, make_opt, policy=None):
         other.load_state_dict(sd["model"])
         other_opt.load_state_dict(sd["optim"])
         _same(_locals(other), params_before, "parameter loaded from the offloaded save")
-        other_states = [v._local_tensor for s in other_opt.state.values() for k, v in s.items() if k != "step"]
+        other_states = [v.to_local() for s in other_opt.state.values() for k, v in s.items() if k != "step"]
         _same(other_states, state_vals, "state loaded from the offloaded save")
         load_to_device(model, opt)
         got += _train(model, opt, rank, world, 2, start=2)

@@ -437,7 +437,7 @@ def _engine_case(rank, world, hsdp, fmt, *, no_sync=False, divide=None, hook=Fal
     named = dict(m.named_parameters())
     for s in lay.slots:
         name = keys[s.key]
-        got = named[name].grad._local_tensor.reshape(-1)
+        got = named[name].grad.to_local().reshape(-1)
         w = want[s.local_offset:s.local_offset + s.local_numel]
         assert torch.equal(got, w), f"{fmt} {name}: {(got != w).sum().item()} of {w.numel()} elements differ"
     if hook:
@@ -481,7 +481,7 @@ def case_engine_feedback_three_steps(rank, world):
             bufs = [_buffer_of(lay, _local_grads(state, k, (step,))) for k in range(world)]
             want = reference_reduce(bufs, lay, fmt, mesh.get_local_rank(), residuals=residuals)
             for s in lay.slots:
-                got = named[s.key].grad._local_tensor.reshape(-1)
+                got = named[s.key].grad.to_local().reshape(-1)
                 w = want[s.local_offset:s.local_offset + s.local_numel]
                 assert torch.equal(got, w), (f"{fmt} step {step} {s.key}: {(got != w).sum().item()} of "
                                              f"{w.numel()} differ")

@@ -70,7 +70,7 @@ def _backward_then_set_grads(model, ref, step, drop=()):
             p.grad = rf.distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         else:
             a, b = p.ragged_placement.element_range(tuple(p.shape), p.device_mesh.get_local_rank(0))
-            p.grad._local_tensor.copy_(full.reshape(-1)[a:b].view(p.grad._local_tensor.shape))
+            p.grad.to_local().copy_(full.reshape(-1)[a:b].view(p.grad.to_local().shape))
 
 
 def _groups(model, split):
@@ -136,7 +136,7 @@ def case_one_run_per_buffer_on_llama(rank, world):
     opt.step()
     st = opt.last_step_stats
     assert st["grouped"] == len(list(m.parameters())) and st["fallback"] == 0, st
-    segments = {p._local_tensor.untyped_storage().data_ptr() for p in m.parameters()}  # the DBuffers
+    segments = {p.to_local().untyped_storage().data_ptr() for p in m.parameters()}  # the DBuffers
     assert st["runs"] <= len(segments), (st, len(segments))
 
 
@@ -226,7 +226,7 @@ def case_dcp_load_keeps_views_and_continues_bitwise(rank, world):
             for k, view in ob._views[p].items():
                 assert ob.state[p][k] is view, k
         # the states of one segment are still one flat buffer
-        ptrs = {ob.state[p]["exp_avg"]._local_tensor.untyped_storage().data_ptr()
+        ptrs = {ob.state[p]["exp_avg"].to_local().untyped_storage().data_ptr()
                 for p in b.layers[0].parameters()}
         assert len(ptrs) == 1, ptrs
         train(b, ob, 2, 2)
@@ -277,7 +277,7 @@ def case_muon_adamw_groups_bitwise(rank, world):
         opt.step()
         ref_opt.step()
     _check_same(model, ref, opt, ref_opt, "muon adamw")
-    ptrs = {opt.state[p]["exp_avg"]._local_tensor.untyped_storage().data_ptr() for p in model.parameters()}
+    ptrs = {opt.state[p]["exp_avg"].to_local().untyped_storage().data_ptr() for p in model.parameters()}
     assert len(ptrs) == 1, "one flat exp_avg buffer for the group"
 
 
@@ -311,7 +311,7 @@ def case_adamw8bit_grouped_equals_per_parameter(rank, world):
             full = torch.randn(pa.shape, generator=g)
             r0, r1 = pa.ragged_placement.element_range(tuple(pa.shape), pa.device_mesh.get_local_rank(0))
             for p in (pa, pb):
-                p.grad._local_tensor.copy_(full.reshape(-1)[r0:r1].view(p.grad._local_tensor.shape))
+                p.grad.to_local().copy_(full.reshape(-1)[r0:r1].view(p.grad.to_local().shape))
         oa.step()
         ob.step()
         oa.zero_grad()

@@ -1,4 +1,4 @@
-"""Everyday patterns on state dicts and parameters of a fully_shard model (issue 8).
+"""Everyday patterns on state dicts and parameters of a fully_shard model.
 
 One launch at W=3 (gloo, CPU). The model is wrapped per block, so most ranks hold pieces
 that start at a non-zero offset of their group's flat buffer: the case that broke
@@ -64,7 +64,7 @@ def _assert_same_full(sd, ref_sd, what):
 
 def _some_rank_has_offset_views(model) -> None:
     """The precondition of the bug: some local piece starts inside a shared buffer."""
-    n = sum(p._local_tensor.storage_offset() > 0 for p in model.parameters())
+    n = sum(p.to_local().storage_offset() > 0 for p in model.parameters())
     t = torch.tensor([n])
     dist.all_reduce(t)
     assert t.item() > 0, "test setup: no parameter piece starts at a non-zero buffer offset"
@@ -87,7 +87,7 @@ def case_torch_save_load_weights_only(rank, world):
     # the local pieces, not the flat buffers they are views of.
     with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
         data = sum(i.file_size for i in z.infolist() if "/data/" in i.filename)
-    local_bytes = sum(v._local_tensor.numel() * v._local_tensor.element_size() for v in sd.values())
+    local_bytes = sum(v.to_local().numel() * v.to_local().element_size() for v in sd.values())
     mesh = next(iter(sd.values())).device_mesh.mesh  # the mesh's rank table is pickled once
     local_bytes += mesh.numel() * mesh.element_size()
     assert data == local_bytes, f"saved {data} bytes of tensor data for {local_bytes} bytes of local pieces"
@@ -96,7 +96,7 @@ def case_torch_save_load_weights_only(rank, world):
     for k, v in loaded.items():
         assert isinstance(v, RaggedDTensor), k
         assert v.placements == sd[k].placements and v.shape == sd[k].shape, k
-        assert torch.equal(v._local_tensor, sd[k]._local_tensor), k
+        assert torch.equal(v.to_local(), sd[k].to_local()), k
     _assert_same_full(loaded, ref, "torch.load")
     # the "save the best model, restore it later" pattern
     with torch.no_grad():
@@ -119,8 +119,8 @@ def case_deepcopy_state_dict(rank, world):
     _assert_same_full(snap, ref, "deepcopy")
     params = dict(model.named_parameters())
     for k, v in snap.items():
-        assert v._local_tensor.untyped_storage().data_ptr() != params[k]._local_tensor.untyped_storage().data_ptr() \
-            or v._local_tensor.numel() == 0, f"{k}: the copy shares storage with the parameter"
+        assert v.to_local().untyped_storage().data_ptr() != params[k].to_local().untyped_storage().data_ptr() \
+            or v.to_local().numel() == 0, f"{k}: the copy shares storage with the parameter"
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(-2.0)
@@ -188,7 +188,7 @@ def case_copy_from_replicate_dtensor(rank, world):
 
 
 def case_distribute_tensor_excluding_rank(rank, world):
-    """A mesh without this rank: an empty local tensor, as torch gives (was IndexError)."""
+    """A mesh without this rank: an empty local tensor, as torch gives."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate
 
@@ -201,12 +201,12 @@ def case_distribute_tensor_excluding_rank(rank, world):
         t = distribute_tensor(full, sub, pl, src_data_rank=src)
         assert tuple(t.shape) == (6, 4)
         if rank == 2:
-            assert t._local_tensor.numel() == 0
+            assert t.to_local().numel() == 0
         else:
-            assert torch.equal(t._local_tensor, full[:4] if rank == 0 else full[4:])
+            assert torch.equal(t.to_local(), full[:4] if rank == 0 else full[4:])
     f = from_local(full[:0] if rank == 2 else (full[:4] if rank == 0 else full[4:]), sub, pl, shape=(6, 4))
     if rank == 2:
-        assert f._local_tensor.numel() == 0
+        assert f.to_local().numel() == 0
     else:
         assert torch.equal(f.redistribute(sub, [Replicate()]).to_local(), full)
 

@@ -140,7 +140,7 @@ def case_subclass_round_trip(rank, world):
             model = nn.Sequential(*[QLinear(kind.quantize(w, 4)) for w in ws])
             fully_shard(model, mesh=mesh)
             for lin in model:
-                local = lin.weight._local_tensor
+                local = lin.weight.to_local()
                 assert type(local) is kind and local.codes.shape[0] % 4 in (0, lin.weight.shape[0] % 4)
             with trace() as t:
                 model.unshard()
@@ -159,7 +159,7 @@ def case_subclass_round_trip(rank, world):
             assert torch.equal(y, want), (W, kind)
             model.reshard()
             for lin in model:
-                assert type(lin.weight._local_tensor) is kind  # sharded again
+                assert type(lin.weight.to_local()) is kind  # sharded again
             model.unshard()  # refilled in place (out=) after the free
             for lin, r in zip(model, ref):
                 assert torch.equal(lin.weight.dequantize(), r.dequantize())
@@ -401,12 +401,12 @@ def case_trainable_subclass(rank, world):
                 rloss.backward()
             for blk in model:
                 gw = blk.weight.grad
-                assert isinstance(gw, DTensor) and type(gw._local_tensor) is torch.Tensor, (W, type(gw))
-                assert type(blk.weight._local_tensor) is Fp8RowWeight
+                assert isinstance(gw, DTensor) and type(gw.to_local()) is torch.Tensor, (W, type(gw))
+                assert type(blk.weight.to_local()) is Fp8RowWeight
             for blk, rblk in zip(model, ref):
                 a, b = _rows(model, W, r)[id(blk)]
                 want = rblk.weight.grad[a:b]
-                got = blk.weight.grad._local_tensor
+                got = blk.weight.grad.to_local()
                 assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (W, step, (got - want).abs().max())
             opt.step()
             opt.zero_grad()
@@ -421,12 +421,12 @@ def case_trainable_subclass(rank, world):
         ref(x).square().mean().backward()
         for blk, rblk in zip(model, ref):
             a, b = _rows(model, W, r)[id(blk)]
-            got, want = blk.weight.grad._local_tensor, W * rblk.weight.grad[a:b]
+            got, want = blk.weight.grad.to_local(), W * rblk.weight.grad[a:b]
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (W, "divide", (got - want).abs().max())
         for blk, rblk in zip(model, ref):
             a, b = _rows(model, W, r)[id(blk)]
-            got = blk.weight._local_tensor._data
-            assert type(blk.weight._local_tensor) is Fp8RowWeight
+            got = blk.weight.to_local()._data
+            assert type(blk.weight.to_local()) is Fp8RowWeight
             assert torch.allclose(got, rblk.weight.detach()[a:b], rtol=1e-5, atol=1e-6), (W, (got - rblk.weight[a:b]).abs().max())
 
 
@@ -480,8 +480,8 @@ def case_torchao_float8(rank, world):
             loss = m(x).square().mean()
             loss.backward()
             gw = m[0].weight.grad
-            assert type(m[0].weight._local_tensor).__name__ == "WeightWithDynamicFloat8CastTensor", name
-            assert isinstance(gw, DTensor) and type(gw._local_tensor) is torch.Tensor, (name, type(gw))
+            assert type(m[0].weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor", name
+            assert isinstance(gw, DTensor) and type(gw.to_local()) is torch.Tensor, (name, type(gw))
             opt.step()
             opt.zero_grad()
             t = loss.detach().clone()
