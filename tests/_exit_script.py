@@ -1,12 +1,11 @@
 """One rank of the exit test (tests/test_exit_clean.py): trains two steps with ragged_fsdp,
-then ends the way issue 19 reported aborting, with no barrier and no
-destroy_process_group. argv: 'failsave ROOT' (a checkpoint save that fails on a full disk,
+then ends with no barrier and no destroy_process_group (an ending that can abort a rank). argv: 'failsave ROOT' (a checkpoint save that fails on a full disk,
 caught) or 'allreduce' (the loss all-reduced for printing, the script's last collective).
 
 Two settings make the race likely (without the library's exit hook's hand-off, 1 of 3
 'allreduce' launches had a rank abort with "terminate called without an active
 exception"; 3 of 4 for a plain gloo script ending the same way):
-``sys.setswitchinterval(100)``, so the main thread no longer hands the GIL to a waiting
+``sys.setswitchinterval(100)``, so the main thread does not hand the GIL to a waiting
 gloo worker thread every 5 ms while it runs Python, only when it blocks; and the process's
 other threads (gloo's workers) pinned to the main thread's core at the lowest priority, so
 a worker that has finished a collective reaches for the GIL late, as on a loaded

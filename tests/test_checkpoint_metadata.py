@@ -1,9 +1,9 @@
-"""``.metadata`` is checked before it is used (issue 30).
+"""``.metadata`` is checked before it is used.
 
 DCP's ``.metadata`` says where every item lies and how big each chunk is; the per-item
-CRC-32s live inside it, so they cannot vouch for it. An edited chunk size loaded
-"successfully" with the last element left at its old value, and single flipped bytes gave
-silently partial loads or raw unpickling/DCP errors. The writers now seal ``.metadata`` with
+CRC-32s live inside it, so they cannot vouch for it. Unchecked, an edited chunk size loads
+"successfully" with the last element left at its old value, and single flipped bytes give
+silently partial loads or raw unpickling/DCP errors. The writers seal ``.metadata`` with
 a SHA-256 written after it is complete, and every reader checks the seal before unpickling.
 """
 

@@ -1,4 +1,4 @@
-"""Saves and loads that overlap (issue 30).
+"""Saves and loads that overlap.
 
 * two ``async_save`` calls of one process on one ``checkpoint_id``: the second is refused
   while the first runs (made repeatable by holding the first inside its write on an event),

@@ -116,7 +116,7 @@ def _guide_pages() -> list[str]:
 
 def test_every_guide_page_is_linked_from_readme_and_index():
     """A user reads the README or the site's home page, not mkdocs.yml: a guide page
-    neither links is a page nobody finds (docs/gradient-reduce.md was one)."""
+    neither links is a page nobody finds."""
     pages = _guide_pages()
     assert "gradient-reduce.md" in pages and len(pages) > 10
     readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()

@@ -1,5 +1,5 @@
-"""A script that ends without barrier() + destroy_process_group() exits cleanly (issue 19,
-item 7; the mechanism is described in ragged_fsdp/exit.py).
+"""A script that ends without barrier() + destroy_process_group() exits cleanly (the
+mechanism is described in ragged_fsdp/exit.py).
 
 ``test_exit_hook_hands_off_the_gil`` checks the hook's property deterministically: a thread
 waiting for the GIL when the hook runs gets it before the hook returns (it fails with the
@@ -7,8 +7,8 @@ hook's hand-off removed). ``test_exit_without_destroy_is_clean`` runs the real t
 launches of tests/_exit_script.py that end right after a collective, under settings that
 make the race likely; without the hand-off an 'allreduce' launch had a rank abort in 1 of
 3 tries (3 of 4 for the same ending without ragged_fsdp's training before it), so this
-test can fail without the fix but mostly does not: the deterministic test above is the one
-that pins the fix."""
+test can fail without the hand-off but mostly does not: the deterministic test above is the one
+that pins it."""
 
 from __future__ import annotations
 

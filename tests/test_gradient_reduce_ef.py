@@ -1,4 +1,4 @@
-"""Error feedback's residual as training state (issue 41), on 4 gloo ranks, one launch:
+"""Error feedback's residual as training state, on 4 gloo ranks, one launch:
 
 * a non-finite step does not poison it: a NaN loss on rank 1 at step 1 (the step skipped on
   every rank) leaves no non-finite gradient element in the later steps, as without error

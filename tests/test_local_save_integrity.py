@@ -3,7 +3,7 @@
 One launch at W=2: a flipped byte in rank 1's part, a truncated part and a garbage ``.meta``
 each raise a ``LocalCheckpointCorruptError`` naming the file and the saved rank on *both*
 ranks (agreed: the rank that reads a good file does not go on alone) and change nothing on
-either rank; the scenario of issue 41 (rank 1's part of a save lost, the next state saved into
+either rank; a lost part (rank 1's part of a save lost, the next state saved into
 the same directory) is refused on both ranks and loads nothing mixed; a part copied in from
 another save is refused at load by its save id; a write that fails on one rank raises on both
 and leaves no part behind; plain values that differ per rank come back per rank; a symlink and
@@ -126,7 +126,7 @@ def case_garbage_meta(rank, world):
 
 
 def case_lost_part_then_next_save_is_refused_everywhere(rank, world):
-    """Issue 41 item 5: rank 1's part of save A is lost, save B goes to the same directory."""
+    """Rank 1's part of save A is lost, save B goes to the same directory."""
     from ragged_fsdp.checkpoint import LocalCheckpointError, load_local, save_local
 
     d = _dir("lost")

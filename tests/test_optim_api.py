@@ -128,7 +128,7 @@ def test_muon_non_finite_hyperparameters(kw, name):
     ({"wave_bytes": 1.5}, r"wave_bytes=1.5 must"),
 ])
 def test_muon_out_of_range_arguments_name_the_argument(kw, pattern):
-    """Issue 41: Muon accepted momentum=1.5 and ns_steps=0 (both silently wrong)."""
+    """Muon refuses momentum=1.5 and ns_steps=0 (both would train silently wrong), naming the argument."""
     with pytest.raises(ValueError, match=pattern):
         Muon([torch.zeros(3, 3, requires_grad=True)], **kw)
 
@@ -162,7 +162,7 @@ def test_muon_wave_bytes_same_bits_single_process():
 
 
 class _VocabWideMLP(nn.Module):
-    """Issue 41 item 10: vocab 256 and an MLP 64 -> 256 inside the blocks."""
+    """Vocab 256 and an MLP 64 -> 256 inside the blocks."""
 
     def __init__(self, tie=False):
         super().__init__()

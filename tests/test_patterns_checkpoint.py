@@ -1,4 +1,4 @@
-"""Checkpoint patterns and bad input (issue 8): argument checks on every rank, a missing
+"""Checkpoint patterns and bad input: argument checks on every rank, a missing
 root, damaged files, checksums, strict=False shape mismatches, the DCP optimizer idiom, and
 the demo's --batch at W=3.
 

@@ -1,4 +1,4 @@
-"""Bad input at the command line and in the demo's optimizer (issue 8), in this process.
+"""Bad input at the command line and in the demo's optimizer, in this process.
 
 Every refusal is one line on stderr that names the path or argument and the problem, with
 a non-zero exit code and no traceback; nothing is launched or written first.

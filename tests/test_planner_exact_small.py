@@ -1,5 +1,5 @@
-"""The planner solves small groups exactly (issue 12): the heuristic alone was 27% above
-the optimum on this 5-tensor group; the plan must reach the optimum, which here equals the
+"""The planner solves small groups exactly: on this 5-tensor group the heuristic alone
+lands above the optimum; the plan must reach the optimum, which here equals the
 structural lower bound, and stay valid."""
 from __future__ import annotations
 

@@ -350,7 +350,7 @@ def case_rank_cannot_write(rank, world):
 
 def case_ranks_pass_different_roots(rank, world):
     # each rank names its own directory: refused on every rank before anything is written,
-    # naming both directories (it used to publish under rank 0's root and hand rank 1 a
+    # naming both directories (never published under rank 0's root with rank 1 handed a
     # Checkpoint pointing there)
     roots = [_shared(f"roots_differ_{r}") for r in range(world)]
     with pytest.raises(ValueError) as e:

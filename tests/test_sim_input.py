@@ -1,4 +1,4 @@
-"""`simulate` bounds and validates its input like `plan` (issue 19 item 6): each bad input
+"""`simulate` bounds and validates its input like `plan`: each bad input
 gets exit 2 and one line naming the option and the fix, never a traceback or a table of nan."""
 from __future__ import annotations
 

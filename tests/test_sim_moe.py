@@ -1,4 +1,4 @@
-"""Issue 45: MoE costed as it runs, GEMMs by shape, block-scaled recipes, new hardware and
+"""MoE costed as it runs, GEMMs by shape, block-scaled recipes, new hardware and
 models, and the validation against published points recomputed from the data file (so a
 change to the model that moves any prediction fails here until docs/data/sim_validation.json
 is rewritten by ``python -m ragged_fsdp.sim.validate``)."""
@@ -46,7 +46,7 @@ def test_validation_matches_record_and_targets(rows):
     val = [r for r in rows if r["role"] == "validate"]
     err = [abs(r["tokens_per_s_error"]) for r in val]
     mem = [abs(r["memory_error"]) for r in val if r["memory_error"] is not None]
-    # targets of issue 45 on the points not fitted: the medians are met, the maximum is not
+    # the targets on the points not fitted: the medians are met, the maximum is not
     # (docs/simulate.md lists the misses); these bounds are the measured values rounded up
     assert statistics.median(err) <= 0.10
     assert max(err) <= 0.50
@@ -71,7 +71,7 @@ def test_expert_flops_per_rank_independent_of_ep(ep):
     # hand count: each of the rank's tokens goes to top_k experts; an expert is gate, up
     # (h -> inter) and down (inter -> h): 3 GEMMs of 2 h inter flops per routed token. Under
     # EP the rank runs E/ep experts on the copies of all ep ranks: the same count on average
-    # (the simulator used to run them on its own tokens' share only, 1/ep of it)
+    # (not on its own tokens' share only, 1/ep of it)
     imb = 1.25
     arch, got = _expert_flops_on_rank("qwen3-30b-a3b:fused", ep, imb)
     want = 4096 * arch.top_k * 3 * 2 * arch.hidden * arch.moe_inter * (imb if ep > 1 else 1.0)

@@ -62,7 +62,7 @@ def test_gemm_roofline_makes_skinny_tp_matmuls_memory_bound():
     from ragged_fsdp.sim.compute import Linear, linear_times
     rate = H100.flops * H100.efficiency
 
-    def shaped(lin, speedup=1.0):  # issue 45: each dim d saturates as d / (d + 64)
+    def shaped(lin, speedup=1.0):  # each dim d saturates as d / (d + 64)
         return rate * speedup * math.prod(d / (d + 64) for d in (lin.m, lin.n, lin.k))
 
     big = Linear("model.layers.0.mlp.gate_proj.weight", 98304, 4096, 14336, 1, True, False, False)
