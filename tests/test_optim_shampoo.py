@@ -146,7 +146,7 @@ def _bitwise(rank, world, kw, dtypes=None, steps=10):
                 t, j = (int(x) for x in key.rsplit("_", 2)[-2:])
                 n_tiles += key.startswith("factor_matrix_") and j == 0
                 want = rst["tiles"][t]["F" if key.startswith("factor") else "P"][j]
-                local = val._local_tensor if isinstance(val, rf.RaggedDTensor) else val
+                local = val.to_local() if isinstance(val, rf.RaggedDTensor) else val
                 if local.numel():
                     assert torch.equal(local, want), f"{SHAPES[i]}: {key}"
         assert n_tiles == len(rst["tiles"]), (SHAPES[i], n_tiles)

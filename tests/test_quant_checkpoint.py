@@ -98,7 +98,7 @@ def _full_values(model):
 
     out, nf4 = {}, []
     for n, p in model.named_parameters():
-        if isinstance(p._local_tensor, NF4Weight):
+        if isinstance(p.to_local(), NF4Weight):
             nf4.append(n)
         else:
             out[n] = p.full_tensor().detach().clone()
@@ -323,7 +323,7 @@ def case_float8_weight(rank, world):
     fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     ck.load_latest(root, {"train": ck.TrainState(fresh, fopt)}, process_group=pg3)
     for n, p in fresh.named_parameters():
-        assert type(p._local_tensor).__name__ == "Fp8RowWeight" or "bias" in n
+        assert type(p.to_local()).__name__ == "Fp8RowWeight" or "bias" in n
         assert torch.equal(p.full_tensor(), want[n]), n
     # a full state dict holds the plain master values
     from ragged_fsdp.checkpoint import StateDictOptions, get_model_state_dict

@@ -94,7 +94,7 @@ def case_torchao_nf4(rank, world):
                 shard(model, mesh=mesh, mp_policy=mp)
                 if name == "ragged":
                     w = model.layers[0].attention.wq.weight
-                    assert type(w._local_tensor) is NF4Weight, type(w._local_tensor)
+                    assert type(w.to_local()) is NF4Weight, type(w.to_local())
                 runs[name] = _losses(model, W, mesh.get_local_rank(), group)
             got = runs["ragged"]
             if rank == 0:
