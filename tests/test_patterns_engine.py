@@ -332,7 +332,7 @@ def case_unconsumed_prefetch_is_drained(rank, world):
 # -- input that must be refused --------------------------------------------------------------
 def case_rank_dependent_granularity(rank, world):
     """Same buffer size on every rank but a different layout: must not train silently."""
-    from ragged_fsdp.fsdp.core.consistency import LayoutMismatchError
+    from ragged_fsdp.fsdp import LayoutMismatchError
 
     mesh = cpu_mesh(world)
     model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 8))

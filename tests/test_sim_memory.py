@@ -1,4 +1,4 @@
-"""The simulator's memory model against two real engines (issue 12): for the reference
+"""The simulator's memory model against two real engines: for the reference
 dense and MoE models at W = 1, 2, 4 on gloo, the predicted sharded parameter, gradient and
 optimizer-state bytes per rank equal what torch's FSDP2 (and ragged_fsdp) allocate, and the
 predicted peak of a training step is within 10% of MemTracker's peak for both.
@@ -33,7 +33,7 @@ def _build(kind):
 def _storage_bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        local = getattr(t, "_local_tensor", t)
+        local = t.to_local() if hasattr(t, "to_local") else t
         st = local.untyped_storage()
         if st.data_ptr() in seen or st.nbytes() == 0:
             continue
