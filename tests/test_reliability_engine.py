@@ -1,4 +1,4 @@
-"""Faults that used to hang or fail deep inside torch, now refused on every rank, and
+"""Faults that would hang or fail deep inside torch, refused on every rank, and
 torch's GradScaler on sharded gradients (against torch's FSDP2 and one process).
 
 W=4: ranks whose ``shard_placement_fn`` answers differ, ``from_local(run_check=True)`` with a
@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from _dist import check_case, full, global_batch, run_cases
 
 from ragged_fsdp.fsdp import fully_shard
-from ragged_fsdp.fsdp.core.consistency import LayoutMismatchError
+from ragged_fsdp.fsdp import LayoutMismatchError
 from ragged_fsdp.models.llama import Llama, LlamaConfig
 from ragged_fsdp.placement import RaggedShard, from_local
 
@@ -297,8 +297,8 @@ def _backward(m, rank):
 
 def case_optimizer_built_before_fully_shard(rank, world):
     """Each optimizer built before fully_shard is refused at its first step, naming a
-    parameter and the fix, before it changes anything; TrainState refuses it too. Before,
-    10 steps moved no parameter and the first save failed with KeyError: 0."""
+    parameter and the fix, before it changes anything; TrainState refuses it too. Unrefused,
+    10 steps would move no parameter and the first save would fail with KeyError: 0."""
     from ragged_fsdp.checkpoint import TrainState
     from ragged_fsdp.fsdp.core.stale_optimizer import StaleOptimizerError
 
@@ -375,7 +375,7 @@ def case_all_reduce_hook_raises_on_one_rank(rank, world):
     collective of its own over another group): every rank raises at the end of that backward,
     rank 1 its own exception, the others a RuntimeError naming rank 1; with the hook removed
     the next backward's gradients are bitwise those of a model that never saw the fault.
-    Before, rank 0 waited in the next collective until the process-group timeout. FSDP and
+    Unchecked, rank 0 would wait in the next collective until the process-group timeout. FSDP and
     HSDP (replicate 2 x shard 1: the hook runs after the replicate all-reduce)."""
     import torch.distributed as dist
 

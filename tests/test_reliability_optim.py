@@ -41,7 +41,7 @@ def _trained(cls, params, steps=2, seed=0):
 
 
 def _like(p, full):
-    from ragged_fsdp.placement.dtensor import RaggedDTensor
+    from ragged_fsdp import RaggedDTensor
 
     if isinstance(p, RaggedDTensor):
         import ragged_fsdp as rf

@@ -222,7 +222,7 @@ def case_fully_shard_refuses_the_same_disagreement(rank, world):
     """The disagreement above, through fully_shard: each rank plans its own layout (another
     granularity on rank 0) and the layout agreement refuses it on every rank."""
     from ragged_fsdp import fully_shard
-    from ragged_fsdp.fsdp.core.consistency import LayoutMismatchError
+    from ragged_fsdp.fsdp import LayoutMismatchError
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
