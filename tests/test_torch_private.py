@@ -91,6 +91,14 @@ def test_hook_stack_shared_with_public_hooks_and_popped_out_of_order():
     assert tp.saved_tensors_hooks_top() is None, _broke("pop_saved_tensors_hooks", "the stack is not empty again")
 
 
+def test_push_refused_under_disabled_hooks():
+    w = _Pair()
+    with torch.autograd.graph.disable_saved_tensors_hooks("disabled by the user"):
+        assert tp.push_saved_tensors_hooks(w.pack, w.unpack) is False, _broke(
+            "push_saved_tensors_hooks", "did not report a push refused under disable_saved_tensors_hooks")
+    assert tp.saved_tensors_hooks_top() is None, _broke("push_saved_tensors_hooks", "a refused push left a pair")
+
+
 def test_use_counts_grow_while_autograd_saves():
     buf = torch.zeros(4 * 3 + 5)  # an unsharded buffer; the parameters are leaf views of it
     p = buf[:12].view(4, 3).requires_grad_()
@@ -250,7 +258,22 @@ def case_checkpoint_hooks_seen(rank, world):
         f"no longer shows hooks pushed by torch.autograd.graph.saved_tensors_hooks\n{tr.table()}")
 
 
-CASES = [case_watch_frees_embedding_and_head, case_checkpoint_hooks_seen, case_saved_inside_a_block_is_kept]
+def case_forward_with_saved_tensor_hooks_disabled(rank, world):
+    """A step under ``disable_saved_tensors_hooks``: the watch stays off (the embedding is
+    kept for backward) and training matches one process."""
+    from ragged_fsdp.fsdp import trace
+
+    def step(m, t, y, distributed):
+        with torch.autograd.graph.disable_saved_tensors_hooks("disabled by the user"):
+            _ce(m(t), y).backward()
+
+    with trace() as tr:
+        compare_steps(rank, world, lambda: Llama(_tiny()), _wrap_blocks, step, steps=1)
+    assert not _forward_frees(tr, tr.buffer_of("tok_embeddings.weight")), tr.table()
+
+
+CASES = [case_watch_frees_embedding_and_head, case_checkpoint_hooks_seen, case_forward_with_saved_tensor_hooks_disabled,
+         case_saved_inside_a_block_is_kept]
 
 
 @pytest.fixture(scope="module")

@@ -118,10 +118,10 @@ def start_watch(storages: dict[int, int], units: list[Unit] = ()) -> SavedWatch 
         return None
     w = SavedWatch(storages, units)
     try:
-        push_saved_tensors_hooks(w.pack, w.unpack)
+        pushed = push_saved_tensors_hooks(w.pack, w.unpack)
     except TorchPrivateMissing:
         return None
-    return w
+    return w if pushed else None  # not pushed: saved-tensor hooks disabled by the user
 
 
 def stop_watch(w: SavedWatch | None) -> None:
@@ -200,7 +200,8 @@ def resume_outer_watch(p: PausedWatch) -> None:
         # someone's hooks were left on the stack: the watch could not see what comes next
         w.opaque = True
         return
-    push_saved_tensors_hooks(w.pack, w.unpack)
+    if not push_saved_tensors_hooks(w.pack, w.unpack):
+        w.opaque = True
 
 
 # -- the group's record of its forward calls -------------------------------------------------

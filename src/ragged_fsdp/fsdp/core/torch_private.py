@@ -53,13 +53,20 @@ def saved_tensors_hooks_top() -> tuple[Pack, Unpack] | None:
     return None if top is None else (top[0], top[1])
 
 
-def push_saved_tensors_hooks(pack: Pack, unpack: Unpack) -> None:
-    """Put (pack, unpack) on top of autograd's saved-tensor hook stack.
+def push_saved_tensors_hooks(pack: Pack, unpack: Unpack) -> bool:
+    """Put (pack, unpack) on top of autograd's saved-tensor hook stack; False, with nothing
+    pushed, where the caller runs under ``torch.autograd.graph.disable_saved_tensors_hooks``.
 
     Calls ``torch._C._autograd._push_saved_tensors_default_hooks`` (what the public
     ``saved_tensors_hooks.__enter__`` calls). Relied on: from then on every tensor autograd
-    saves goes through ``pack``, and :func:`saved_tensors_hooks_top` returns the pair."""
-    _private(torch._C._autograd, "_push_saved_tensors_default_hooks", "push_saved_tensors_hooks")(pack, unpack)
+    saves goes through ``pack``, and :func:`saved_tensors_hooks_top` returns the pair; under
+    ``disable_saved_tensors_hooks`` it raises RuntimeError and pushes nothing."""
+    push = _private(torch._C._autograd, "_push_saved_tensors_default_hooks", "push_saved_tensors_hooks")
+    try:
+        push(pack, unpack)
+    except RuntimeError:  # the user disabled saved-tensor hooks here: the watch stays off
+        return False
+    return True
 
 
 def pop_saved_tensors_hooks() -> None:
