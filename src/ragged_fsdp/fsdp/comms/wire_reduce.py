@@ -22,9 +22,9 @@ import torch.distributed as dist
 from ragged_fsdp.quant.grad_wire import GradientReduce, WireBlocks, dequantize, quantize, sum_pieces, wire_blocks
 from ragged_fsdp.quant.wire_residual import Residual
 
-from .collectives import Comm, _Both
+from .collectives import Comm
 from .landing import land
-from .device import Device, Pending
+from .device import AllWork, Device, Pending
 
 __all__ = ["WireState", "wire_reduce_scatter", "check_wire_reduce_dtype"]
 
@@ -93,7 +93,7 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
             w2 = dist.all_to_all_single(recv_scale, scale, output_split_sizes=[n_mine] * W,
                                         input_split_sizes=list(blocks.per_segment), group=comm.group,
                                         async_op=async_op)
-        return _Both(w1, w2)
+        return AllWork(w1, w2)
 
     def post():
         pieces = recv_codes.view(W, S)

@@ -14,12 +14,12 @@ from ragged_fsdp.quant.bnb4 import is_params4bit
 
 from ..comms.collectives import Comm
 from ..comms.quant_gather import attach_quant, fp8_granularity
-from ..compat.extension import CommHooks
-from ..compat.subclass_gather import (adopt_foreign, build_subclass_unit, check_extension, extension_granularity,
-                                      is_extension)
+from ..comms.custom import CommHooks
+from ..compat.subclass_gather import adopt_foreign, check_extension, extension_granularity, is_extension
 from .consistency import check_same_layout
 from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param
+from .subclass_unit import build_subclass_unit
 from .unit import ParamInfo, Unit
 
 __all__ = ["build_units", "Building"]
@@ -57,7 +57,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
     # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
     # experts over the dp ranks of their EP group: those get their own units.)
     # Tensor subclasses with their own all-gather (FSDP2's protocol) are a kind of their own,
-    # gathered by .subclass_gather: fp8 is then "subclass", a third value of that slot.
+    # gathered by .subclass_unit: fp8 is then "subclass", a third value of that slot.
     kinds: dict[tuple[int, torch.dtype, bool, bool | str, bool], list[int]] = {}
     quant = group.all_gather_quant
     dp_index = {id(d): k for k, d in enumerate(group.dps)}

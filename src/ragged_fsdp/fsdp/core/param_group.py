@@ -42,8 +42,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from ..comms.device import Device, Pending
 from ..comms.wire_reduce import check_wire_reduce_dtype
-from ..compat.extension import CommHooks
-from ..offload.staging import release_staged
+from ..comms.custom import CommHooks
 from .backward import BackwardNeeds
 from .build import build_units
 from .common import ShardedState, TrainingState
@@ -240,7 +239,8 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
         self._gathering = None
-        release_staged(self._gathered_now)
+        for u in self._gathered_now:
+            u.release_staged()
         gathered = {id(u) for u in self._gathered_now}
         for u in self.units:
             if id(u) in gathered:
@@ -254,7 +254,8 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
             self._gathering = None
-            release_staged(self._gathered_now)
+            for u in self._gathered_now:
+                u.release_staged()
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self.sharded_state = ShardedState.UNSHARDED  # the gathered data is there
         if self.sharded_state is not ShardedState.SHARDED:

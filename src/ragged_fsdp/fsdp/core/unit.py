@@ -29,7 +29,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -42,11 +42,22 @@ from ..comms.collectives import Comm, all_gather
 from ..comms.device import Device, Pending
 from ..comms.quant_gather import quant_all_gather
 from ..comms.wire_reduce import WireState
-from ..compat.extension import CommHooks
+from ..comms.custom import CommHooks
 from .mesh_info import DPMesh
 from .sharded_param import local_of, make_sharded_grad
 
 __all__ = ["ParamInfo", "Unit"]
+
+
+class HostSide(Protocol):
+    """What a unit calls of its host side under ``offload_policy`` (``offload/staging.py``'s
+    ``UnitOffload``, handed in by ``attach_offload``; the offload layer sits above this one)."""
+
+    def stage(self, unit: Unit) -> Pending | None: ...
+
+    def release_staged(self, unit: Unit) -> None: ...
+
+    def grads_to_host(self, unit: Unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]: ...
 
 
 @dataclass
@@ -102,7 +113,7 @@ class Unit:
         self.group_name = group_name
         self._after_grad = after_grad
         self.hooks = hooks  # the group's custom comms and hook (the group's object, shared)
-        self.offload = None  # an offload.staging.UnitOffload under fully_shard(offload_policy=...)
+        self.offload: HostSide | None = None  # fully_shard(offload_policy=...): offload/staging.py's UnitOffload
         self.wire: WireState | None = None  # fully_shard(gradient_reduce=...): blocks and residual
 
     def __repr__(self) -> str:
@@ -137,9 +148,21 @@ class Unit:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p
 
-    def attach_offload(self, offload) -> None:
+    def attach_offload(self, offload: HostSide) -> None:
         """fully_shard(offload_policy=...): the host side of this unit (offload.staging.UnitOffload)."""
         self.offload = offload
+
+    def release_staged(self) -> None:
+        """Its all-gather was waited for: the device copy of a host segment can go."""
+        if self.offload is not None:  # nothing staged otherwise (also: subclass units)
+            self.offload.release_staged(self)
+
+    def grads_to_host(self, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
+        """Where the reduced segment ``target`` is handed out from: itself, or (grads
+        offload) a host copy, with the copy to wait for first."""
+        if self.offload is None:
+            return target, None
+        return self.offload.grads_to_host(self, target)
 
     def gathered(self) -> None:
         """Its all-gather was waited for: the parameters are the unsharded ones, nothing kept."""

@@ -158,7 +158,7 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
             mover.add(local_of(v))
     mover.finish()
     for u in units:
-        u.buf.sharded = mover.moved(u.buf.sharded)
+        u.buf.replace_sharded(mover.moved(u.buf.sharded))
         trace.record("d2h" if to_host else "h2d", u, u.buf.sharded.numel() * u.buf.sharded.element_size())
     old_grads = {id(i): local_of(i.sharded.grad) for i in grads}
     for u in units:
