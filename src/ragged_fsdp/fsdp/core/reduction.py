@@ -61,7 +61,7 @@ class HandedOut(Protocol):
 
     units: list[Unit]
 
-    def _describe(self) -> str: ...
+    def describe(self) -> str: ...
 
 
 class Phase(enum.Enum):
@@ -418,7 +418,7 @@ class Reductions:
         rank of it raise here, before that mesh's gradients are handed out."""
         self.wait_all()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
-        describe = {id(u): g._describe() for g in groups for u in g.units}
+        describe = {id(u): g.describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
         self.issued = []
         failures, self.hook_failures = self.hook_failures, []

@@ -59,7 +59,7 @@ from ..comms.device import AllWork, Device, Pending
 from ..compat.bnb4_owner import attach_bnb4
 from ..compat.subclass_gather import adopt_foreign, call_pre_all_gather, rows_of
 from .sharded_param import make_sharded_param
-from .unit import ParamInfo, Unit
+from .unit import Building, ParamInfo, Unit
 
 __all__ = ["SubclassStore", "SubclassUnit", "build_subclass_unit"]
 
@@ -72,7 +72,7 @@ _DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch
            torch.float32, torch.float64, torch.bool, *(d for d in _WIRE if d is not torch.bool)]
 
 
-def build_subclass_unit(group, index, dp, layout, items, mp_policy, post_forward_comm) -> "SubclassUnit":
+def build_subclass_unit(group: Building, index, dp, layout, items, mp_policy, post_forward_comm) -> "SubclassUnit":
     """A unit for ``items`` (``(name, param, owners, placement)``, the slot order of ``layout``):
     each rank keeps its rows of every subclass value, split along dim 0."""
     dtype = items[0][1].dtype
@@ -341,7 +341,7 @@ class SubclassUnit(Unit):
         # attributes (torchao's float8 scale) must reach the one the module computes with
         # a hook that returns a parameter (bitsandbytes' Params4bit, which layers read
         # quant_state from) is used as it is: wrapping it again would drop its attributes
-        info.unsharded = full if isinstance(full, nn.Parameter) else nn.Parameter(full, requires_grad=False)
+        info.set_unsharded(full if isinstance(full, nn.Parameter) else nn.Parameter(full, requires_grad=False))
         self._full.append(info.unsharded)
         self._inner.append(tuple(inner))
 

@@ -46,7 +46,7 @@ from ..comms.custom import CommHooks
 from .mesh_info import DPMesh
 from .sharded_param import local_of, make_sharded_grad
 
-__all__ = ["ParamInfo", "Unit"]
+__all__ = ["ParamInfo", "Unit", "HostSide", "UnitGroup", "Building"]
 
 
 class HostSide(Protocol):
@@ -74,6 +74,16 @@ class ParamInfo:
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.owners:
             module._parameters[name] = param
+
+    # ``unsharded`` is made at the first gather and reused by every later one (its view of the
+    # unsharded buffer stays a valid object across free and re-gather): these two write it.
+    def set_unsharded(self, param: nn.Parameter) -> nn.Parameter:
+        self.unsharded = param
+        return param
+
+    def forget_unsharded(self) -> None:
+        """Its views point into storage that is gone (the buffer was rebuilt): made anew at the next gather."""
+        self.unsharded = None
 
 
 def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -224,7 +234,7 @@ class Unit:
                 # placements whose local tensor is the gathered view (as before fully_shard)
                 view = DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
                                           shape=spec.shape, stride=spec.stride)
-            p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+            p = info.set_unsharded(nn.Parameter(view, requires_grad=info.sharded.requires_grad))
             if buf.reduce_dtype != buf.compute_dtype and spec is None:
                 p.grad_dtype = buf.reduce_dtype
             if p.requires_grad:
@@ -379,3 +389,31 @@ class Unit:
                 info.sharded.grad = None
                 continue
             info.sharded.grad = make_sharded_grad(buf.local_view(target, i), info.sharded)
+
+
+class UnitGroup(Protocol):
+    """What the helpers of a group read of it (a :class:`~.param_group.ParamGroup`), typed
+    here so they need not import ``param_group.py``, which imports them."""
+
+    units: list[Unit]
+    infos: list[ParamInfo]
+
+    def describe(self) -> str: ...
+
+
+class Building(Protocol):
+    """What building units reads of the group it builds for (a :class:`~.param_group.ParamGroup`;
+    ``build.py`` and ``subclass_unit.py``)."""
+
+    all_gather_quant: Any  # a BlockFP8 policy or None
+    dps: list[DPMesh]
+    device: torch.device
+    mp_policy: Any
+    hooks: CommHooks
+    gradient_reduce: Any  # a GradientReduce or None
+
+    def name(self) -> str: ...
+
+    def after_grad(self, param: torch.Tensor) -> None: ...
+
+    def describe(self) -> str: ...

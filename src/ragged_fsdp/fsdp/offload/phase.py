@@ -119,7 +119,7 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
     groups = _groups(model)
     for g in groups:
         if g.training_state is not TrainingState.IDLE:
-            raise RuntimeError(f"offload_to_host/load_to_device: {g._describe()} is inside forward or "
+            raise RuntimeError(f"offload_to_host/load_to_device: {g.describe()} is inside forward or "
                                "backward; call it between steps")
     if to_host and any(g.on_host is not None for g in groups):
         raise RuntimeError("offload_to_host: the model is already on the host; call load_to_device first")

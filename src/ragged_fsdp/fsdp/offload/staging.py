@@ -31,7 +31,9 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from .. import tracing as trace
 from ..comms.device import Device, Pending
+from ..core.param_group import ParamGroup
 from ..core.sharded_param import repoint
+from ..core.unit import Unit
 from .policy import OffloadPolicy
 
 __all__ = ["UnitOffload", "attach", "policy_of", "host_empty"]
@@ -64,7 +66,7 @@ class UnitOffload:
         self.dev = dev
 
     # -- params ------------------------------------------------------------------------
-    def params_to_host(self, unit) -> None:
+    def params_to_host(self, unit: Unit) -> None:
         buf = unit.buf
         host = host_empty(buf.segment, buf.dtype, bool(self.policy.pin_memory))
         self.dev.copy("d2h", host, buf.sharded).wait()
@@ -74,7 +76,7 @@ class UnitOffload:
             repoint(info.sharded, buf.sharded_view(info.slot))
             info.register(info.sharded)
 
-    def stage(self, unit) -> Pending | None:
+    def stage(self, unit: Unit) -> Pending | None:
         """Copy the host segment to the device for the all-gather; returns the copy (the
         all-gather goes after it) or None when the segment is not on the host."""
         buf = unit.buf
@@ -86,13 +88,13 @@ class UnitOffload:
         trace.record("h2d", unit, staged.numel() * staged.element_size())
         return pending
 
-    def release_staged(self, unit) -> None:
+    def release_staged(self, unit: Unit) -> None:
         """Drop the device copy of the host segment once its all-gather was waited for."""
         staged = unit.buf.unstage()
         if staged is not None:
             trace.record("unstage", unit, staged.numel() * staged.element_size())
 
-    def grads_to_host(self, unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
+    def grads_to_host(self, unit: Unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
         """Start copying a reduced gradient segment to a new host segment (grads policy);
         returns what the sharded grads should point into and the copy to wait for."""
         if not self.policy.grads:
@@ -102,7 +104,7 @@ class UnitOffload:
         return host, self.dev.copy("d2h", host, target)
 
 
-def attach(group, policy: OffloadPolicy) -> None:
+def attach(group: ParamGroup, policy: OffloadPolicy) -> None:
     """Give every unit of ``group`` its host side and move what lives on the host there."""
     if policy.params and group.all_gather_quant is not None:
         raise NotImplementedError(
