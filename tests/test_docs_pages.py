@@ -115,7 +115,8 @@ def _declared_layer(path: str) -> str:
 
 def test_architecture_names_every_module_in_its_layer():
     """docs/architecture.md's layer section names every module under src/ragged_fsdp/, each
-    under the layer tests/_layers.py declares for it, and the layers in the declared order."""
+    under the layer tests/_layers.py declares for it, and its headings and diagram give the
+    layers in the declared order."""
     from _layers import FSDP_LAYERS, LAYERS
 
     text = (DOCS / "architecture.md").read_text()
@@ -123,6 +124,12 @@ def test_architecture_names_every_module_in_its_layer():
     subs = re.findall(r"^#### fsdp: (\S+)$", text, re.M)
     assert heads == [n for n, _ in LAYERS] and subs == [n for n, _ in FSDP_LAYERS], (
         f"docs/architecture.md's layer headings {heads} / {subs} differ from tests/_layers.py's order")
+    diagram = text[text.index("```text", text.index("## Layers")) + 7:]
+    diagram = diagram[:diagram.index("```")].strip().splitlines()
+    assert [line.split()[0].rstrip(",") for line in diagram] == [n for n, _ in reversed(LAYERS)], (
+        "docs/architecture.md's layer diagram (top first) differs from tests/_layers.py's order")
+    fsdp_line = next(line for line in diagram if line.startswith("fsdp "))
+    assert fsdp_line.split(None, 1)[1].split(" > ") == [n for n, _ in reversed(FSDP_LAYERS)], fsdp_line
     src = ROOT / "src/ragged_fsdp"
     files = sorted(str(p.relative_to(src)) for p in src.rglob("*.py"))
     named = _layer_section_listing(text)
