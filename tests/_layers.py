@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 FSDP_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tracing", ("tracing",)),  # the public record of a step: every layer above records into it
     ("comms", ("comms",)),  # the device seam, the collectives and the user's comm-hook records
-    ("compat", ("compat",)),  # torch FSDP2's protocols and surface that need no engine state
+    ("compat", ("compat",)),  # torch FSDP2's contracts, typed by protocols: nothing of core imported
     ("core", ("core",)),  # the life of one fully_shard call: groups, units, backward, reductions
     ("offload", ("offload",)),  # host memory: handed to units, and the whole-model phase switch
     ("api", ("api", "deterministic", "__init__")),  # what users call

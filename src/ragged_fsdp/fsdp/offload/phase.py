@@ -30,6 +30,7 @@ import torch.nn as nn
 from .. import tracing as trace
 from ..core.common import TrainingState
 from ..core.init import state_of
+from ..core.param_group import ParamGroup
 from .staging import host_empty, policy_of
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement.dtensor import wrap
@@ -39,7 +40,7 @@ from ..core.sharded_param import local_of, make_sharded_grad, repoint
 __all__ = ["offload_to_host", "load_to_device"]
 
 
-def _groups(model: nn.Module) -> list:
+def _groups(model: nn.Module) -> list[ParamGroup]:
     seen, out = set(), []
     for m in model.modules():
         st = state_of(m)
