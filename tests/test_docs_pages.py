@@ -89,17 +89,64 @@ def test_render_optional_block_without_json(tmp_path):
         render.render_page(page.read_text(), page)
 
 
-def test_the_engine_table_lists_every_file_once():
-    """docs/architecture.md's table of ragged_fsdp/fsdp/ names each file of the tree once (the
-    sub-packages' __init__.py, docstrings only, are described above the table)."""
+def _layer_section_listing(text: str) -> dict[str, list[str]]:
+    """Each ``x.py`` path named in docs/architecture.md's "## Layers" section -> the layer
+    headings it is named under (``### <layer>``, ``#### fsdp: <layer>`` for the engine's)."""
+    section = text[text.index("## Layers"):]
+    section = section[:section.index("\n## ", 1)]
+    where, heading = {}, None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            heading = line[4:].strip()
+        elif line.startswith("#### fsdp: "):
+            heading = "fsdp/" + line[len("#### fsdp: "):].strip()
+        for path in re.findall(r"`([\w/]+\.py)`", line):
+            if path.startswith("tests/"):
+                continue
+            where.setdefault(path, []).append(heading)
+    return where
+
+
+def _declared_layer(path: str) -> str:
+    from _layers import describe
+
+    return describe(".".join(["ragged_fsdp", *path.removesuffix(".py").split("/")]).removesuffix(".__init__"))
+
+
+def test_architecture_names_every_module_in_its_layer():
+    """docs/architecture.md's layer section names every module under src/ragged_fsdp/, each
+    under the layer tests/_layers.py declares for it, and its headings and diagram give the
+    layers in the declared order."""
+    from _layers import FSDP_LAYERS, LAYERS
+
     text = (DOCS / "architecture.md").read_text()
-    table = text[text.index("## The engine's objects"):text.index("## One step")]
-    rows = re.findall(r"^\| `([\w/]+\.py)` \|", table, re.M)
-    engine = ROOT / "src/ragged_fsdp/fsdp"
-    files = sorted(str(p.relative_to(engine)) for p in engine.rglob("*.py")
-                   if not (p.name == "__init__.py" and p.parent != engine))
-    assert len(rows) == len(set(rows)), f"listed twice: {sorted({r for r in rows if rows.count(r) > 1})}"
-    assert sorted(rows) == files, f"missing: {sorted(set(files) - set(rows))}, not in the tree: {sorted(set(rows) - set(files))}"
+    heads = re.findall(r"^### (\S+)$", text[text.index("## Layers"):text.index("## The engine's objects")], re.M)
+    subs = re.findall(r"^#### fsdp: (\S+)$", text, re.M)
+    assert heads == [n for n, _ in LAYERS] and subs == [n for n, _ in FSDP_LAYERS], (
+        f"docs/architecture.md's layer headings {heads} / {subs} differ from tests/_layers.py's order")
+    diagram = text[text.index("```text", text.index("## Layers")) + 7:]
+    diagram = diagram[:diagram.index("```")].strip().splitlines()
+    assert [line.split()[0].rstrip(",") for line in diagram] == [n for n, _ in reversed(LAYERS)], (
+        "docs/architecture.md's layer diagram (top first) differs from tests/_layers.py's order")
+    fsdp_line = next(line for line in diagram if line.startswith("fsdp "))
+    assert fsdp_line.split(None, 1)[1].split(" > ") == [n for n, _ in reversed(FSDP_LAYERS)], fsdp_line
+    src = ROOT / "src/ragged_fsdp"
+    files = sorted(str(p.relative_to(src)) for p in src.rglob("*.py"))
+    named = _layer_section_listing(text)
+    missing = [f for f in files if f not in named]
+    assert not missing, f"modules not named in docs/architecture.md's layers: {missing}"
+    gone = sorted(set(named) - set(files))
+    assert not gone, f"docs/architecture.md's layers name modules that do not exist: {gone}"
+    wrong = [(f, named[f], _declared_layer(f)) for f in files if set(named[f]) != {_declared_layer(f)}]
+    assert not wrong, "named under the wrong layer (file, where, declared): " + repr(wrong)
+
+
+def test_the_architecture_check_can_fail():
+    text = "## Layers\n### pure\n`shapes.py` and `fsdp/api.py`\n#### fsdp: core\n`fsdp/core/unit.py`\n## Next\n"
+    named = _layer_section_listing(text)
+    assert named == {"shapes.py": ["pure"], "fsdp/api.py": ["pure"], "fsdp/core/unit.py": ["fsdp/core"]}
+    assert _declared_layer("fsdp/api.py") == "fsdp/api" and _declared_layer("shapes.py") == "pure"
+    assert _declared_layer("fsdp/core/unit.py") == "fsdp/core" and _declared_layer("fsdp/__init__.py") == "fsdp/api"
 
 
 def _guide_pages() -> list[str]:

@@ -87,6 +87,31 @@ def case_embedding_group_recomputed_in_backward(rank, world):
     compare_steps(rank, world, lambda: Late(_tiny()), _wrap_blocks, _step)
 
 
+class _CheckpointedFirst(_CheckpointedEmbedding):
+    """The embedding under activation checkpointing while ``checkpointed`` is True."""
+
+    checkpointed = True
+
+    def forward(self, tokens):
+        return super().forward(tokens) if self.checkpointed else Llama.forward(self, tokens)
+
+
+def case_recomputation_ends_with_its_backward(rank, world):
+    """A backward that recomputed the embedding needed its weight; the next step, run
+    without the checkpoint, frees the embedding after forward and does not gather it in
+    backward again."""
+    model = compare_steps(rank, world, lambda: _CheckpointedFirst(_tiny()), _wrap_blocks, _step, steps=1)
+    model.checkpointed = False
+    emb = _buffer_index(model, "tok_embeddings.weight")
+    t = torch.randint(0, 96, (2, 8))
+    with trace() as log:
+        loss = model.loss(t, t)
+        assert not model.dbuffers[emb].unsharded_allocated, "embedding kept after forward for backward"
+        loss.backward()
+    name = log.buffer_of("tok_embeddings.weight")
+    assert not [e for e in log.of("all_gather", buffer=name) if e.backward], "embedding gathered in backward"
+
+
 class _PeekingBlock(torch.nn.Module):
     """A block that also reads the root's embedding weight through a reference the module
     tree does not show (a list attribute), and saves it for backward."""
@@ -205,6 +230,7 @@ CASES = [
     case_tied_embedding_always_gathered,
     case_checkpointed_embedding_gathered,
     case_embedding_group_recomputed_in_backward,
+    case_recomputation_ends_with_its_backward,
     case_embedding_saved_inside_a_block_gathered,
     case_unshard_in_backward_forced,
     case_grad_buffer_from_first_gradient,

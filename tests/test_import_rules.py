@@ -127,3 +127,43 @@ def test_the_rules_can_fail():
     """The checks see a violation where there is one (the engine imports the placement)."""
     assert any(m.startswith("ragged_fsdp.placement") for m in _loads("ragged_fsdp.fsdp.core.build"))
     assert any(t.startswith("torch.distributed") for t in GRAPH["ragged_fsdp.comm"][1])
+
+
+# -- layers: imports point down (the order is declared once, in tests/_layers.py) ---------------
+
+from _layers import ALLOWED_UPWARD, FSDP_LAYERS, LAYERS, describe, layer_of, order  # noqa: E402
+
+
+def _upward(graph) -> list[tuple[str, str]]:
+    """Every (importer, imported) pair of ``graph`` whose import points to a higher layer."""
+    out = []
+    for m, (ours, _) in graph.items():
+        for t in ours:
+            (a, a_sub), (b, b_sub) = layer_of(m), layer_of(t)
+            if a < b or (a == b and a_sub is not None and b_sub is not None and a_sub < b_sub):
+                out.append((m, t))
+    return sorted(out)
+
+
+def test_every_module_has_a_declared_layer():
+    missing = sorted(m for m in MODULES if None in layer_of(m)[: 2 if m.startswith("ragged_fsdp.fsdp") else 1])
+    assert not missing, f"modules in no layer of tests/_layers.py (add their package there): {missing}"
+
+
+def test_imports_point_down_the_declared_layers():
+    bad = [(m, t) for m, t in _upward(GRAPH) if (m, t) not in ALLOWED_UPWARD]
+    assert not bad, "imports from a lower layer to a higher one:\n" + "\n".join(
+        f"  {m} ({describe(m)}) imports {t} ({describe(t)})" for m, t in bad) + f"\ndeclared order, lowest first: {order()}"
+    gone = sorted(ALLOWED_UPWARD - set(_upward(GRAPH)))
+    assert not gone, f"no longer imported (remove from ALLOWED_UPWARD in tests/_layers.py): {gone}"
+
+
+def test_the_layer_rule_can_fail():
+    """A core module imported from comms, and the engine imported from the planner, are caught
+    (function-level imports are in GRAPH like the others: ast sees every import statement)."""
+    fake = {"ragged_fsdp.fsdp.comms.device": ({"ragged_fsdp.fsdp.core.unit"}, set()),
+            "ragged_fsdp.planner.plan": ({"ragged_fsdp.fsdp.api"}, set()),
+            "ragged_fsdp.fsdp.core.unit": ({"ragged_fsdp.fsdp.comms.device", "ragged_fsdp.placement"}, set())}
+    assert _upward(fake) == [("ragged_fsdp.fsdp.comms.device", "ragged_fsdp.fsdp.core.unit"),
+                             ("ragged_fsdp.planner.plan", "ragged_fsdp.fsdp.api")]
+    assert [n for n, _ in FSDP_LAYERS][:2] == ["tracing", "comms"] and LAYERS[0][0] == "pure"

@@ -205,7 +205,7 @@ def case_qlora(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from ragged_fsdp import fully_shard
-    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.core.subclass_unit import SubclassUnit
     from ragged_fsdp.models.qlora import LoRALinear
     from ragged_fsdp.quant.nf4 import NF4Weight
 
@@ -357,7 +357,7 @@ def _models():
 
 
 def _rows(model, W, rank):
-    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.core.subclass_unit import SubclassUnit
 
     out = {}
     for blk in model:

@@ -84,7 +84,7 @@ def gather_quantised(dt: RaggedDTensor, key: str) -> torch.Tensor:
 
 def shard_quantised(key: str, full, like: RaggedDTensor) -> DTensor:
     """This rank's rows of the full subclass value ``full``, laid out like ``like``."""
-    from ragged_fsdp.fsdp.compat.subclass_gather import _rows_of, adopt_foreign
+    from ragged_fsdp.fsdp.compat.subclass_gather import adopt_foreign, rows_of
 
     piece_type = type(like._local_tensor)
     if not isinstance(full, torch.Tensor) or type(adopt_foreign(full)) is not piece_type:
@@ -96,5 +96,5 @@ def shard_quantised(key: str, full, like: RaggedDTensor) -> DTensor:
     full = adopt_foreign(full)
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"ragged_fsdp: cannot load {key!r}: full shape {tuple(full.shape)}, model {tuple(like.shape)}")
-    piece = _rows_of(key, full.detach().to(like._local_tensor.device), *_rows(like))
+    piece = rows_of(key, full.detach().to(like._local_tensor.device), *_rows(like))
     return wrap(piece, like._spec)

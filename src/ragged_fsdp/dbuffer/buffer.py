@@ -72,11 +72,41 @@ class DBuffer:
         self.grad: torch.Tensor | None = None
         self._grad_views: list[torch.Tensor] = []
         self._grad_versions: list[int] = []
-        self.quant = None  # set by fully_shard(all_gather_quant=...): gathered as codes + scales
+        self.quant = None  # set_gather_quant (fully_shard(all_gather_quant=...)): gathered as codes + scales
         # offload_policy(params=True): the sharded segment lives on the host; ``staged`` is its
         # device copy while an all-gather reads it (see ragged_fsdp.fsdp.offload.staging)
         self.host_sharded = False
         self.staged: torch.Tensor | None = None
+
+    # -- where the sharded segment lives (the only writers of ``sharded``, ``host_sharded``,
+    # ``staged`` and ``quant`` after construction, besides ``rebuild``) ----------------------
+    def replace_sharded(self, seg: torch.Tensor) -> None:
+        """Hold the sharded segment in ``seg``, a copy of it in other memory (host or device,
+        e.g. ``offload_to_host``); the caller re-points the sharded parameters at the new views."""
+        if seg.numel() != self.segment or seg.dtype != self.dtype:
+            raise ValueError(f"{self!r}: a sharded segment is {self.segment} elements of {self.dtype}, "
+                             f"got {seg.numel()} of {seg.dtype}")
+        self.sharded = seg
+
+    def keep_on_host(self, host: torch.Tensor) -> None:
+        """``offload_policy(params=True)``: the segment lives in host memory ``host`` from now
+        on; each all-gather reads a device copy of it (:meth:`stage`)."""
+        self.replace_sharded(host)
+        self.host_sharded = True
+
+    def stage(self, staged: torch.Tensor) -> None:
+        """The device copy of a host segment that the next all-gather reads."""
+        self.staged = staged
+
+    def unstage(self) -> torch.Tensor | None:
+        """Drop the device copy (its all-gather was waited for); returns it, or None."""
+        staged, self.staged = self.staged, None
+        return staged
+
+    def set_gather_quant(self, state) -> None:
+        """``fully_shard(all_gather_quant=...)``: gather this buffer as codes + scales
+        (``state``: ``fsdp/comms/quant_gather.py``'s ``QuantState``)."""
+        self.quant = state
 
     # -- layout helpers ----------------------------------------------------------------
     @property

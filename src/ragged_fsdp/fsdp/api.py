@@ -137,7 +137,7 @@ def fully_shard(
             post_forward_comm=None if isinstance(raf, bool) else node_comm(mesh, raf),
             gradient_reduce=gradient_reduce,
         )
-        state.group = group
+        state.attach_group(group)
         if offload is not None:
             attach_offload(group, offload)
             if not offload.params:
@@ -270,7 +270,7 @@ class FSDPModule(TorchFSDPBase):
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(f"set_reshard_after_forward: expected a bool, got {reshard_after_forward!r}")
         for st in self._fsdp_states(recurse):
-            st.auto_reshard = False
+            st.pin_reshard()
             if st.group is not None:
                 st.group.set_reshard_after_forward(reshard_after_forward)
 
@@ -281,11 +281,11 @@ class FSDPModule(TorchFSDPBase):
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters (async) when this module's forward starts."""
-        self._fsdp_state().forward_prefetch = [_require_fsdp(m) for m in modules]
+        self._fsdp_state().set_forward_prefetch([_require_fsdp(m) for m in modules])
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters (async) when this module's backward starts."""
-        self._fsdp_state().backward_prefetch = [_require_fsdp(m) for m in modules]
+        self._fsdp_state().set_backward_prefetch([_require_fsdp(m) for m in modules])
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's API (pipeline schedules call it). ragged_fsdp's final

@@ -31,12 +31,13 @@ from torch.distributed.tensor import DTensor
 from ragged_fsdp.comm import all_gather_single
 
 from .core.global_order import GlobalOrder, check_unit
+from .core.param_group import ParamGroup
 
 __all__ = ["global_order", "data_rank", "micro_batches", "mean_loss", "total_norm", "clip_grad_norm_",
            "exact_sum_of_squares"]
 
 
-def _groups(model: nn.Module) -> list:
+def _groups(model: nn.Module) -> list[ParamGroup]:
     from .api import FSDPModule
 
     if not isinstance(model, FSDPModule):

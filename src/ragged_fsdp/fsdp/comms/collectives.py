@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from ..compat.extension import adopt_memory, checked_alloc, checked_work
-from .device import Device, Pending
+from .custom import adopt_memory, checked_alloc, checked_work
+from .device import AllWork, Device, Pending
 from .landing import land
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
@@ -32,18 +32,6 @@ __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]
 from ragged_fsdp.comm import Comm, backend_of  # noqa: F401 - re-exported for the engine
 from ragged_fsdp.comm import all_gather_single as _all_gather_single
 from ragged_fsdp.comm import reduce_scatter_single as _reduce_scatter_single
-
-
-class _Both:
-    """Two work handles waited on as one."""
-
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-
-    def wait(self):
-        for w in (self.a, self.b):
-            if w is not None:
-                w.wait()
 
 
 def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | None = None,
@@ -234,7 +222,7 @@ def reduce_scatter(
             w2 = dist.all_to_all_single(
                 received.narrow(0, 0, r * S), grad.narrow(0, (r + 1) * S, (W - 1 - r) * S),
                 output_split_sizes=lower, input_split_sizes=upper, group=comm.group, async_op=async_op)
-            return _Both(w1, w2)
+            return AllWork(w1, w2)
 
         def post():
             if into_target:

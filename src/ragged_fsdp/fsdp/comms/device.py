@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Device", "Pending", "device_for", "drain", "in_flight"]
+__all__ = ["Device", "Pending", "AllWork", "device_for", "drain", "in_flight"]
 
 # Collectives launched and not yet waited for; ``ragged_fsdp.exit`` drains them at exit,
 # before the interpreter's teardown, so no gloo work is still running then.
@@ -77,6 +77,19 @@ def drain() -> None:
 
 
 Comm = Callable[[bool], Any]
+
+
+class AllWork:
+    """Several work handles a collective's ``comm(async_op)`` issued, waited on as one
+    (None entries: already finished)."""
+
+    def __init__(self, *works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            if w is not None:
+                w.wait()
 
 
 class Pending:

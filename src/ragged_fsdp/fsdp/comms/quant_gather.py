@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ragged_fsdp.comm import all_gather_single
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.planner.granularity import Granularity
 from ragged_fsdp.quant import BlockFP8, ScaleLayout, dequantize_pieces, quantize_pieces
 
-from .collectives import _Both, _all_gather_single, Comm
-from .device import Device, Pending
+from .collectives import Comm
+from .device import AllWork, Device, Pending
 
 __all__ = ["QuantState", "fp8_granularity", "attach_quant", "quant_all_gather"]
 
@@ -58,7 +59,7 @@ def attach_quant(buf: DBuffer, policy: BlockFP8) -> None:
     """Mark every tensor of ``buf`` as gathered in fp8 (checks that no rank cuts a tile)."""
     slots = list(range(len(buf.slots)))
     geoms = [policy.geometry(s.shape) for s in buf.slots]
-    buf.quant = QuantState(policy, ScaleLayout.build(buf.layout, slots, geoms))
+    buf.set_gather_quant(QuantState(policy, ScaleLayout.build(buf.layout, slots, geoms)))
 
 
 def quant_all_gather(device: Device, comm: Comm, buf: DBuffer) -> Pending:
@@ -89,9 +90,9 @@ def quant_all_gather(device: Device, comm: Comm, buf: DBuffer) -> Pending:
             )
         if W == 1:
             return None
-        w1 = _all_gather_single(codes, mine, group=comm.group, async_op=async_op)
-        w2 = _all_gather_single(scales, my_scales, group=comm.group, async_op=async_op) if T else None
-        return _Both(w1, w2)
+        w1 = all_gather_single(codes, mine, group=comm.group, async_op=async_op)
+        w2 = all_gather_single(scales, my_scales, group=comm.group, async_op=async_op) if T else None
+        return AllWork(w1, w2)
 
     def post():
         ordered = scales.index_select(0, q.index(scales.device))  # tensor after tensor

@@ -16,15 +16,17 @@ unsharded gradient in ``residual_dtype``) and adds it to the next reduction's gr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
 from ragged_fsdp.quant.grad_wire import GradientReduce, WireBlocks, dequantize, quantize, sum_pieces, wire_blocks
 from ragged_fsdp.quant.wire_residual import Residual
 
-from .collectives import Comm, _Both
+from .collectives import Comm
 from .landing import land
-from .device import Device, Pending
+from .device import AllWork, Device, Pending
 
 __all__ = ["WireState", "wire_reduce_scatter", "check_wire_reduce_dtype"]
 
@@ -93,7 +95,7 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
             w2 = dist.all_to_all_single(recv_scale, scale, output_split_sizes=[n_mine] * W,
                                         input_split_sizes=list(blocks.per_segment), group=comm.group,
                                         async_op=async_op)
-        return _Both(w1, w2)
+        return AllWork(w1, w2)
 
     def post():
         pieces = recv_codes.view(W, S)
@@ -109,15 +111,14 @@ def wire_reduce_scatter(device: Device, comm: Comm, grad: torch.Tensor, target: 
     return device.launch(lane, issue, post=post, keep=keep, out=(recv_codes, target))
 
 
-def check_wire_reduce_dtype(group, fmt: GradientReduce) -> None:
+def check_wire_reduce_dtype(what: str, reduce_dtypes: Iterable[torch.dtype], fmt: GradientReduce) -> None:
     """The wire format's sum runs in the reduce dtype, which it needs to be fp32 (a bf16 sum
     of bf16 pieces is what the plain reduce-scatter already does)."""
     if not isinstance(fmt, GradientReduce):
         raise TypeError(f"fully_shard: gradient_reduce must be a ragged_fsdp.GradientReduce or None, got "
                         f"{type(fmt).__name__}")
-    for u in group.units:
-        dtype = u.buf.reduce_dtype
-        if u.trainable and dtype.is_floating_point and dtype != torch.float32:
+    for dtype in reduce_dtypes:
+        if dtype.is_floating_point and dtype != torch.float32:
             raise ValueError(
                 f"fully_shard: gradient_reduce=GradientReduce(wire_dtype={fmt.wire_dtype}) sums in the reduce dtype, "
-                f"which is {dtype} for {group._describe()}; pass mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, ...)")
+                f"which is {dtype} for {what}; pass mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32, ...)")

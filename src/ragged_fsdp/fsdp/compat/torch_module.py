@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import inspect
 
-from .extension import HOOK_LANE, check_comm, check_event, check_hook, check_stream
+from ..comms.custom import HOOK_LANE
+from .extension import check_comm, check_event, check_hook, check_stream
 
 try:  # torch >= 2.6 exports it here; the private path is the fallback
     from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule

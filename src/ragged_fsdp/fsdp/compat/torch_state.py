@@ -20,6 +20,8 @@ naming it.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch.nn as nn
 
 from ragged_fsdp.placement.ops import VIEWED_SHARDED_ATTR
@@ -35,10 +37,21 @@ except ImportError:  # pragma: no cover - a torch without the composable contrac
 __all__ = ["TorchStateView", "register_torch_state", "refuse_lost_weight_grads"]
 
 
+class PipelineGroup(Protocol):
+    """What the pipeline schedule's end of step reads of a group (``core/param_group.py``'s
+    ``ParamGroup``; this layer sits below the engine's core)."""
+
+    infos: list  # ParamInfo: .fqn and .sharded
+
+    def describe(self) -> str: ...
+
+    def reduce_accumulated(self) -> None: ...
+
+
 class _GroupView:
     __slots__ = ("_group",)
 
-    def __init__(self, group) -> None:
+    def __init__(self, group: PipelineGroup) -> None:
         self._group = group
 
     def post_backward(self) -> None:
@@ -46,7 +59,7 @@ class _GroupView:
         self._group.reduce_accumulated()
 
 
-def refuse_lost_weight_grads(group) -> None:
+def refuse_lost_weight_grads(group: PipelineGroup) -> None:
     """Split backward (zero-bubble schedules) looked for the gradient accumulators of
     sharded parameters: their weight gradients were computed into nothing. Refused here,
     where the schedule asks each stage to reduce after its last micro-batch, so every rank
@@ -59,7 +72,7 @@ def refuse_lost_weight_grads(group) -> None:
         if hasattr(i.sharded, VIEWED_SHARDED_ATTR):
             delattr(i.sharded, VIEWED_SHARDED_ATTR)
     raise RuntimeError(
-        f"ragged_fsdp: {group._describe()}: the pipeline schedule's input-gradient pass looked for the "
+        f"ragged_fsdp: {group.describe()}: the pipeline schedule's input-gradient pass looked for the "
         f"gradient accumulators of sharded parameters ({', '.join(viewed[:3])}{', ...' if len(viewed) > 3 else ''}): "
         "torch.distributed.pipelining's zero-bubble (split-backward) schedules do this, but after "
         "reshard_after_forward=True the autograd graph holds the unsharded parameters, so this step's "

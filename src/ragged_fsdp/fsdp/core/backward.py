@@ -407,9 +407,12 @@ class BackwardNeeds:
         return u.index in self.bwd.reduced_early
 
     def end_backward(self) -> None:
-        """A backward ended: a new backward record; the next forward starts a new forward record."""
+        """A backward ended: a new backward record; the next forward starts a new forward
+        record, and a recomputation ends with the backward that ran it (a later step without
+        activation checkpointing skips the embedding's gather again)."""
         self.bwd = BackwardRecord()
         self.fwd.stale = True
+        self.recomputed = False
 
     def _units_done(self, units: tuple[Unit, ...]) -> None:
         """One owner-module call of ``units`` finished its backward."""

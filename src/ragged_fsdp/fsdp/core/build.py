@@ -14,31 +14,15 @@ from ragged_fsdp.quant.bnb4 import is_params4bit
 
 from ..comms.collectives import Comm
 from ..comms.quant_gather import attach_quant, fp8_granularity
-from ..compat.extension import CommHooks
-from ..compat.subclass_gather import (adopt_foreign, build_subclass_unit, check_extension, extension_granularity,
-                                      is_extension)
+from ..comms.custom import CommHooks
+from ..compat.subclass_gather import adopt_foreign, check_extension, extension_granularity, is_extension
 from .consistency import check_same_layout
 from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param
-from .unit import ParamInfo, Unit
+from .subclass_unit import build_subclass_unit
+from .unit import Building, ParamInfo, Unit
 
-__all__ = ["build_units", "Building"]
-
-
-class Building(Protocol):
-    """What building reads of the group it builds for (a :class:`~.param_group.ParamGroup`)."""
-
-    all_gather_quant: Any  # a BlockFP8 policy or None
-    dps: list[DPMesh]
-    device: torch.device
-    mp_policy: Any
-    hooks: CommHooks
-
-    def name(self) -> str: ...
-
-    def after_grad(self, param: torch.Tensor) -> None: ...
-
-    def _describe(self) -> str: ...
+__all__ = ["build_units"]
 
 
 def _embedding_only(owners) -> bool:
@@ -57,7 +41,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
     # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
     # experts over the dp ranks of their EP group: those get their own units.)
     # Tensor subclasses with their own all-gather (FSDP2's protocol) are a kind of their own,
-    # gathered by .subclass_gather: fp8 is then "subclass", a third value of that slot.
+    # gathered by .subclass_unit: fp8 is then "subclass", a third value of that slot.
     kinds: dict[tuple[int, torch.dtype, bool, bool | str, bool], list[int]] = {}
     quant = group.all_gather_quant
     dp_index = {id(d): k for k, d in enumerate(group.dps)}
@@ -85,7 +69,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         # Every rank must have planned the same layout, or the all-gathers silently mix
         # different tensors (or hang when the sizes differ): one small all-reduce to check.
         check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
-                          [params[idx[0]][1].dtype for _, _, idx in mine], error, group._describe(),
+                          [params[idx[0]][1].dtype for _, _, idx in mine], error, group.describe(),
                           settings={"gradient_reduce": group.gradient_reduce})
     for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
         if fp8 == "subclass":
@@ -115,7 +99,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
     return units
 
 
-def _plan(group, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
+def _plan(group: Building, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
     """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
     parallel split applies to (TP/EP-local for DTensor parameters); ``granularity_fn``
     is asked about the parameter and applies to that local tensor."""
@@ -140,10 +124,10 @@ def _plan(group, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False)
     try:
         return plan_layout(tensors, W, rank, itemsize=torch.empty((), dtype=dtype).element_size())
     except (ValueError, NotImplementedError) as e:
-        raise ValueError(f"fully_shard: cannot lay out the parameters of {group._describe()}: {e}") from e
+        raise ValueError(f"fully_shard: cannot lay out the parameters of {group.describe()}: {e}") from e
 
 
-def _mp_dtypes(group, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+def _mp_dtypes(group: Building, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
     if not dtype.is_floating_point:
         return dtype, dtype
     compute = group.mp_policy.param_dtype or dtype

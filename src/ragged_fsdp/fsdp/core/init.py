@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..comms.collectives import Comm
 from .sharded_param import is_sharded_param
+from .unit import UnitGroup
 
 __all__ = [
     "state_of", "set_state", "mark_managed", "mark_sharded", "resolve_reshard_after_forward", "node_comm",
@@ -42,7 +43,7 @@ def mark_managed(param: nn.Parameter) -> None:
     _managed_params[id(param)] = weakref.ref(param)
 
 
-def mark_sharded(group) -> None:
+def mark_sharded(group: UnitGroup) -> None:
     """Remember the sharded parameters ``group`` made. Keyed by id with a weak reference to
     the group, not to the parameter: a weakref on a parameter makes ``swap_tensors`` (which
     re-points it after ``.to()``) refuse it."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -11,11 +13,18 @@ from ragged_fsdp.placement import RaggedDTensor
 from ragged_fsdp.placement.dtensor import my_piece, spec_mismatch
 
 from .sharded_param import local_of, repoint
+from .unit import UnitGroup
+
+
+class Moving(UnitGroup, Protocol):
+    """What re-pointing after ``load_state_dict(assign=True)`` reads of a group."""
+
+    def reshard(self) -> None: ...
 
 __all__ = ["adopt_locals", "adopt_registered"]
 
 
-def adopt_locals(group, locals_: list[torch.Tensor | None]) -> None:
+def adopt_locals(group: UnitGroup, locals_: list[torch.Tensor | None]) -> None:
     """Rebuild the sharded segments from new local tensors (one per info, None = keep
     the current data) and re-point the sharded parameters into them."""
     new_of = {id(info): t for info, t in zip(group.infos, locals_)}
@@ -29,7 +38,7 @@ def adopt_locals(group, locals_: list[torch.Tensor | None]) -> None:
         if device != buf.device or dtype != buf.dtype:
             buf.rebuild(device, dtype)
             for info in u.infos:
-                info.unsharded = None
+                info.forget_unsharded()
         for info, t, o in zip(u.infos, new, old):
             src = t if t is not None else o
             if src.device.type == "meta" and buf.device.type != "meta":
@@ -40,7 +49,7 @@ def adopt_locals(group, locals_: list[torch.Tensor | None]) -> None:
             info.register(info.sharded)
 
 
-def adopt_registered(group) -> None:
+def adopt_registered(group: Moving) -> None:
     """After ``load_state_dict(assign=True)`` replaced registered parameters: copy their
     data into the DBuffer and point the sharded parameters back into it."""
     group.reshard()

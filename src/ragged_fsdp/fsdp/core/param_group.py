@@ -42,8 +42,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from ..comms.device import Device, Pending
 from ..comms.wire_reduce import check_wire_reduce_dtype
-from ..compat.extension import CommHooks
-from ..offload.staging import release_staged
+from ..comms.custom import CommHooks
 from .backward import BackwardNeeds
 from .build import build_units
 from .common import ShardedState, TrainingState
@@ -57,7 +56,7 @@ __all__ = ["ParamGroup", "ParamInfo", "ShardedState", "TrainingState"]
 
 
 @dataclass
-class _Backward:
+class _BackwardPass:
     """One backward pass (replaced by the final callback after every ``backward()``)."""
 
     fired: int = 0  # PostBackward nodes of this group that ran in this backward
@@ -100,7 +99,7 @@ class ParamGroup:
         self.ctx = None  # the root's shared context (set at lazy init)
         self._gathering: list[Pending] | None = None
         self._gathered_now: list[Unit] = []  # units the all-gathers in flight fill
-        self.bwd = _Backward()
+        self.backward_pass = _BackwardPass()
         self.needs = BackwardNeeds(self)
         self.all_gather_quant = all_gather_quant  # a BlockFP8 policy or None
         self.gradient_reduce = gradient_reduce  # a GradientReduce (wire format, fp32 sum) or None
@@ -117,7 +116,8 @@ class ParamGroup:
                         self.needs.hook_embedding(module)
         self.needs.hook_owner_modules()
         if gradient_reduce is not None:
-            check_wire_reduce_dtype(self, gradient_reduce)
+            check_wire_reduce_dtype(self.describe(), [u.buf.reduce_dtype for u in self.units if u.trainable],
+                                    gradient_reduce)
 
     @property
     def buffers(self) -> list[DBuffer]:
@@ -140,14 +140,14 @@ class ParamGroup:
 
     def set_reduce_grads(self, value: bool) -> None:
         if not value and self.global_order is not None:
-            raise refuse("set_requires_gradient_sync(False)", self._describe(),
+            raise refuse("set_requires_gradient_sync(False)", self.describe(),
                          "keep gradient sync on: under global order every micro-step's backward reduces, and the "
                          "step's gradients land after its last one")
         self.reduce_grads = value
 
     def set_requires_all_reduce(self, value: bool) -> None:
         if not value and self.global_order is not None:
-            raise refuse("set_requires_all_reduce(False)", self._describe(),
+            raise refuse("set_requires_all_reduce(False)", self.describe(),
                          "keep it True: under global order every micro-step reduces over all data-parallel ranks")
         self.requires_all_reduce = value
 
@@ -155,7 +155,7 @@ class ParamGroup:
         """Turn the global order on (a GlobalOrder) or off (None); checked by the caller."""
         if order is not None and not (self.reduce_grads and self.requires_all_reduce):
             raise refuse("gradient sync turned off (set_requires_gradient_sync / set_requires_all_reduce(False))",
-                         self._describe(), "turn it back on before global_order")
+                         self.describe(), "turn it back on before global_order")
         self.global_order = order
 
     def set_unshard_in_backward(self, value: bool | None) -> None:
@@ -170,24 +170,24 @@ class ParamGroup:
     def set_on_host(self, on_host: bool) -> None:
         self.on_host = True if on_host else None
 
-    def _describe(self) -> str:
+    def describe(self) -> str:
         return self.fqn or ", ".join(type(m).__name__ for m in self.modules)
 
     def name(self) -> str:
         """The group's name in traces: its module path from the root ("<root>" for the root)."""
-        return self.fqn or ("<root>" if self.ctx is not None else self._describe())
+        return self.fqn or ("<root>" if self.ctx is not None else self.describe())
 
     def check_on_device(self) -> None:
         if self.on_host is not None:
             raise RuntimeError(
-                f"ragged_fsdp: the parameters of {self._describe()} were moved to the host by "
+                f"ragged_fsdp: the parameters of {self.describe()} were moved to the host by "
                 "offload_to_host(); call ragged_fsdp.load_to_device(model, optimizer) before running it")
 
     def check_materialized(self) -> None:
         meta = [i.fqn for u in self.units if u.buf.device.type == "meta" for i in u.infos]
         if meta:
             raise RuntimeError(
-                f"fully_shard: parameters of {self._describe()} are still on the meta device "
+                f"fully_shard: parameters of {self.describe()} are still on the meta device "
                 f"({', '.join(meta[:5])}{'...' if len(meta) > 5 else ''}); materialise them first, "
                 "e.g. model.to_empty(device=...) and then reset_parameters()/init_weights()"
             )
@@ -202,20 +202,29 @@ class ParamGroup:
         """Unsharded parameters exist or an all-gather filling them is in flight."""
         return self.is_unsharded or self._gathering is not None
 
-    def _to_gather(self) -> list[Unit]:
+    def _to_gather(self, for_backward: bool) -> list[Unit]:
         todo = [u for u in self.units if u.freed] if self.is_unsharded else list(self.units)
-        if self.training_state is TrainingState.PRE_BACKWARD:
+        if for_backward:
             skip = self.needs.skip_in_backward()
             todo = [u for u in todo if u.index not in skip]
         return todo
 
     def unshard(self, async_op: bool = False) -> None:
-        """Start the all-gathers (no-op when unsharded or already in flight)."""
+        """Start the all-gathers (no-op when unsharded or already in flight), for backward
+        when the group is in its pre-backward. ``async_op=False`` (FSDP2's meaning) also
+        waits for them; with True, :meth:`wait_for_unshard` (or the next pre-forward) does."""
+        self._start_unshard(for_backward=self.training_state is TrainingState.PRE_BACKWARD)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _start_unshard(self, for_backward: bool) -> None:
+        """Issue the all-gathers; ``for_backward``: skip the units backward provably needs not
+        (or everything, under ``set_unshard_in_backward(False)``)."""
         if self._gathering is not None:
             return
-        if self.training_state is TrainingState.PRE_BACKWARD and self.unshard_in_backward is False:
+        if for_backward and self.unshard_in_backward is False:
             return
-        todo = self._to_gather()
+        todo = self._to_gather(for_backward)
         if not todo:
             return
         self.check_on_device()
@@ -240,7 +249,8 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
         self._gathering = None
-        release_staged(self._gathered_now)
+        for u in self._gathered_now:
+            u.release_staged()
         gathered = {id(u) for u in self._gathered_now}
         for u in self.units:
             if id(u) in gathered:
@@ -254,7 +264,8 @@ class ParamGroup:
             for p in self._gathering:
                 p.wait()
             self._gathering = None
-            release_staged(self._gathered_now)
+            for u in self._gathered_now:
+                u.release_staged()
             if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
                 self.sharded_state = ShardedState.UNSHARDED  # the gathered data is there
         if self.sharded_state is not ShardedState.SHARDED:
@@ -287,7 +298,6 @@ class ParamGroup:
     def pre_forward(self, args: tuple, kwargs: dict, first_module: bool) -> tuple[tuple, dict]:
         self.training_state = TrainingState.FORWARD
         self.unshard()
-        self.wait_for_unshard()
         if torch.is_grad_enabled() and first_module:
             args, kwargs = self.needs.begin_forward(args, kwargs, self._post_backward_from_autograd)
         return args, kwargs
@@ -296,7 +306,6 @@ class ParamGroup:
         """Forward run again inside backward (activation-checkpoint recomputation)."""
         self.needs.recompute()  # before the unshard: from now on backward gathers everything
         self.unshard()
-        self.wait_for_unshard()
 
     def post_forward(self) -> None:
         self.needs.stop()
@@ -310,7 +319,7 @@ class ParamGroup:
             self.free_units([u for u in self.units if u.index in skip])
         if torch.is_grad_enabled():
             order = self.ctx.post_forward_order
-            self.bwd.post_forward_indices.append(len(order))
+            self.backward_pass.post_forward_indices.append(len(order))
             order.append(self)
         self.training_state = TrainingState.IDLE
 
@@ -321,44 +330,42 @@ class ParamGroup:
         self.training_state = TrainingState.PRE_BACKWARD
         with record_function("ragged_fsdp::pre_backward"):
             self.unshard()
-            self.wait_for_unshard()
-        if implicit_prefetch and self.bwd.post_forward_indices:
-            i = self.bwd.post_forward_indices.pop()
+        if implicit_prefetch and self.backward_pass.post_forward_indices:
+            i = self.backward_pass.post_forward_indices.pop()
             if i > 0:
                 nxt = self.ctx.post_forward_order[i - 1]
                 if self._is_root_group() and any(x.sharded.requires_grad for x in self.infos):
                     # the root's pre-backward fires on its output's gradient, while the loss's
                     # logits-sized temporaries may still be live: gather the next group once
                     # the root's first gradient is in (see after_grad)
-                    self.bwd.deferred_prefetch = nxt
+                    self.backward_pass.deferred_prefetch = nxt
                 else:
-                    nxt.prefetch(TrainingState.PRE_BACKWARD)
+                    nxt.prefetch(for_backward=True)
 
     def _is_root_group(self) -> bool:
         states = self.ctx.all_states if self.ctx is not None else []
         return bool(states) and states[0].group is self
 
-    def prefetch(self, state: TrainingState) -> None:
+    def prefetch(self, for_backward: bool) -> None:
+        """Start this group's all-gathers ahead of its use (forward or backward prefetch);
+        a group inside a pass of its own gathers for that pass instead."""
         if self.is_unsharded or self._gathering is not None:
             return
-        prev = self.training_state
-        self.training_state = state if prev is TrainingState.IDLE else prev
-        try:
-            self.unshard(async_op=True)
-        finally:
-            self.training_state = prev
+        if self.training_state is not TrainingState.IDLE:
+            for_backward = self.training_state is TrainingState.PRE_BACKWARD
+        self._start_unshard(for_backward)
 
     def after_grad(self, param: torch.Tensor) -> None:
         """After autograd added a gradient into a gradient buffer: issue the backward
         prefetch this group deferred (see pre_backward)."""
-        nxt, self.bwd.deferred_prefetch = self.bwd.deferred_prefetch, None
+        nxt, self.backward_pass.deferred_prefetch = self.backward_pass.deferred_prefetch, None
         if nxt is not None:
-            nxt.prefetch(TrainingState.PRE_BACKWARD)
+            nxt.prefetch(for_backward=True)
 
     def _post_backward_from_autograd(self) -> None:
-        self.bwd.fired += 1
+        self.backward_pass.fired += 1
         f = self.needs.fwd
-        if self.bwd.fired < f.calls or f.blind:
+        if self.backward_pass.fired < f.calls or f.blind:
             # more uses of the group may still come in this backward (or in a later one,
             # when the step runs several): the final callback reduces what has arrived
             return
@@ -380,16 +387,17 @@ class ParamGroup:
         elif self._gathering is not None:  # a prefetch nobody used: finish it, keep the result
             self.wait_for_unshard()
 
-    def post_backward(self) -> None:
-        """The group's gradients are complete: reduce them (or keep accumulating)."""
-        if self.training_state is TrainingState.POST_BACKWARD:
+    def post_backward(self, again: bool = False) -> None:
+        """The group's gradients are complete: reduce them (or keep accumulating). Once per
+        backward, unless ``again`` (:meth:`reduce_accumulated`)."""
+        if self.training_state is TrainingState.POST_BACKWARD and not again:
             return
         with record_function("ragged_fsdp::post_backward"):
             self._post_backward()
 
     def _post_backward(self) -> None:
         self.training_state = TrainingState.POST_BACKWARD
-        self.bwd.deferred_prefetch = None
+        self.backward_pass.deferred_prefetch = None
         for u in self.units:
             u.fold_foreign_grads()
         if not self.reduce_grads:
@@ -413,8 +421,7 @@ class ParamGroup:
             self.has_pending_grads() or any(u.buf.grad is not None for u in self.units)
         ):
             return  # this backward already reduced everything it had
-        self.training_state = TrainingState.PRE_BACKWARD
-        self.post_backward()
+        self.post_backward(again=True)
 
     def abort(self) -> None:
         """An exception stopped the step (see ``FSDPState.abort_step``): stop the saved-tensor
@@ -427,7 +434,7 @@ class ParamGroup:
 
     def finish_backward(self) -> None:
         self.training_state = TrainingState.IDLE
-        self.bwd = _Backward()
+        self.backward_pass = _BackwardPass()
         self.needs.end_backward()
 
     # -- moving (nn.Module._apply, load_state_dict(assign=True)) ------------------------------

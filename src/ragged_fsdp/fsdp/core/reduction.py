@@ -14,7 +14,7 @@ reduction from :mod:`.backward`, run that one sequence); per unit it decides how
   with ``set_requires_all_reduce(False)`` the shard-dim sums pile up in the unit instead;
 * a unit reduced early (see :mod:`.backward`) whose late gradients arrive: they are reduced
   again and added into the early reduction's segment;
-* the unit's :class:`~..compat.extension.CommHooks`: a custom reduce-scatter replaces the shard-dim
+* the unit's :class:`~..comms.custom.CommHooks`: a custom reduce-scatter replaces the shard-dim
   collective, and an all-reduce hook runs on this reduction's divided segment (FSDP: a
   stage of its own after the reduce-scatter; HSDP: after the all-reduce) before it is cast
   or added into the sharded grads.
@@ -48,8 +48,7 @@ from ..comms.device import Device, Pending
 from ..comms.landing import land
 from ..comms.ordered_reduce import ordered_reduce
 from ..comms.wire_reduce import wire_reduce_scatter
-from ..compat.extension import HOOK_LANE, checked_alloc, run_all_reduce_hook
-from ..offload.staging import grads_to_host
+from ..comms.custom import HOOK_LANE, checked_alloc, run_all_reduce_hook
 from .global_order import Fold, GlobalOrder, check_unit
 from .mesh_info import DPMesh
 from .unit import Unit
@@ -62,7 +61,7 @@ class HandedOut(Protocol):
 
     units: list[Unit]
 
-    def _describe(self) -> str: ...
+    def describe(self) -> str: ...
 
 
 class Phase(enum.Enum):
@@ -419,7 +418,7 @@ class Reductions:
         rank of it raise here, before that mesh's gradients are handed out."""
         self.wait_all()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
-        describe = {id(u): g._describe() for g in groups for u in g.units}
+        describe = {id(u): g.describe() for g in groups for u in g.units}
         issued = sorted(self.issued, key=lambda r: order.get(id(r.unit), len(order)))
         self.issued = []
         failures, self.hook_failures = self.hook_failures, []
@@ -453,7 +452,7 @@ class Reductions:
                     "backward paired different buffers. The modules owning its parameters must run (with inputs "
                     "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")
             # grads offload: every copy to the host is issued before the first is waited for
-            moved = [grads_to_host(r.unit, r.target) for r in items]
+            moved = [r.unit.grads_to_host(r.target) for r in items]
             k = 0
             for r, (target, copy) in zip(items, moved):
                 n = len(r.touched)

@@ -28,12 +28,16 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Protocol
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
 from ragged_fsdp.placement import RaggedShard, from_local
+from ragged_fsdp.quant.grad_wire import GradientReduce
+
+from .unit import UnitGroup
 
 __all__ = ["ResidualWarning", "is_residual_key", "register_residual_state"]
 
@@ -99,7 +103,13 @@ def _scale_width(wire) -> int:
     return max(total - n for n in b.per_segment)
 
 
-def register_residual_state(group, module: nn.Module) -> None:
+class ResidualGroup(UnitGroup, Protocol):
+    """What the residual's state-dict entries read of a group."""
+
+    gradient_reduce: GradientReduce | None
+
+
+def register_residual_state(group: ResidualGroup, module: nn.Module) -> None:
     """Put the residual of ``group``'s buffers into ``module``'s state dict and take it back
     at load; for every group (with or without error feedback: a model without it drops
     residual entries it is given)."""
@@ -133,7 +143,7 @@ def register_residual_state(group, module: nn.Module) -> None:
             state_dict.pop(k)
         if ignored:
             warnings.warn(f"ragged_fsdp: {', '.join(ignored)}: an error-feedback residual, and "
-                          f"{group._describe()} has no such buffer with error feedback "
+                          f"{group.describe()} has no such buffer with error feedback "
                           f"(gradient_reduce={fmt!r}): ignored", ResidualWarning, stacklevel=2)
         zeroed = []
         for u in units():
@@ -153,7 +163,7 @@ def register_residual_state(group, module: nn.Module) -> None:
                 res.load_flat(values, None if scales is None else scales[:res.n_scales])
         if zeroed:
             warnings.warn(
-                f"ragged_fsdp: the state dict has no error-feedback residual of {group._describe()} (buffers "
+                f"ragged_fsdp: the state dict has no error-feedback residual of {group.describe()} (buffers "
                 f"{zeroed}) for this model's world size, layout and residual_dtype (a checkpoint saved without "
                 "error feedback, or at another world size): error feedback starts from a zero residual",
                 ResidualWarning, stacklevel=2)

@@ -54,11 +54,7 @@ class RootContext:
         ``aborted``, after an exception stopped forward or backward (``reset_iter_state``:
         also the forward's trackers, whose forward may not have ended)."""
         for st in states:
-            st.training_state = TrainingState.IDLE
-            if aborted:
-                st._to_run = set()
-            if st.group is not None:
-                st.group.finish_backward()
+            st.end_step(aborted)
         if aborted:
             self.iter_forward_root = None
             self.forward_order = []
@@ -105,6 +101,35 @@ class FSDPState:
             # torch runs always_call hooks also when forward raised (the one above is skipped)
             self._handles.append(m.register_forward_hook(failed, always_call=True))
 
+    # -- what fully_shard, the public setters and the root change ----------------------------
+    def attach_group(self, group: ParamGroup | None) -> None:
+        """The group ``fully_shard`` built for these modules (None: they have no parameters)."""
+        self.group = group
+
+    def pin_reshard(self) -> None:
+        """``set_reshard_after_forward`` was called: the root no longer keeps its parameters by default."""
+        self.auto_reshard = False
+
+    def set_forward_prefetch(self, states: list[FSDPState]) -> None:
+        self.forward_prefetch = states
+
+    def set_backward_prefetch(self, states: list[FSDPState]) -> None:
+        self.backward_prefetch = states
+
+    def join_root(self, ctx: RootContext, is_root: bool) -> None:
+        """The root's lazy init: share its context."""
+        self.is_root = is_root
+        self.ctx = ctx
+
+    def end_step(self, aborted: bool) -> None:
+        """Back to the start of a step (:meth:`RootContext.reset`); with ``aborted`` also the
+        list group's modules still to run."""
+        self.training_state = TrainingState.IDLE
+        if aborted:
+            self._to_run = set()
+        if self.group is not None:
+            self.group.finish_backward()
+
     # -- lazy init -------------------------------------------------------------------------
     def lazy_init(self) -> None:
         if self.is_root is not None:
@@ -124,14 +149,12 @@ class FSDPState:
             if st is None or id(st) in seen:
                 continue
             seen.add(id(st))
-            if st is not self:
-                if st.is_root is not None:
-                    raise RuntimeError(
-                        f"fully_shard: {name} already ran forward as a root; run forward through "
-                        "the outermost wrapped module first"
-                    )
-                st.is_root = False
-            st.ctx = self.ctx
+            if st is not self and st.is_root is not None:
+                raise RuntimeError(
+                    f"fully_shard: {name} already ran forward as a root; run forward through "
+                    "the outermost wrapped module first"
+                )
+            st.join_root(self.ctx, is_root=st is self)
             self.ctx.all_states.append(st)
             if st.group is not None:
                 st.group.join_root(self.ctx, name)
@@ -208,11 +231,11 @@ class FSDPState:
         if self.forward_prefetch:
             for st in self.forward_prefetch:
                 if st.group is not None:
-                    st.group.prefetch(TrainingState.FORWARD)
+                    st.group.prefetch(for_backward=False)
             return
         nxt = self.ctx.next_in_forward(self.group)
         if nxt is not None and nxt is not self.group:
-            nxt.prefetch(TrainingState.FORWARD)
+            nxt.prefetch(for_backward=False)
 
     def _post_forward(self, module: nn.Module, input: Any, output: Any):
         self._forward_returned = True
@@ -260,7 +283,7 @@ class FSDPState:
             self.group.pre_backward(implicit_prefetch=not self.backward_prefetch)
         for st in self.backward_prefetch:
             if st.group is not None:
-                st.group.prefetch(TrainingState.PRE_BACKWARD)
+                st.group.prefetch(for_backward=True)
         return grad
 
     def _queue_final_callback(self) -> None:

@@ -29,7 +29,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -42,11 +42,22 @@ from ..comms.collectives import Comm, all_gather
 from ..comms.device import Device, Pending
 from ..comms.quant_gather import quant_all_gather
 from ..comms.wire_reduce import WireState
-from ..compat.extension import CommHooks
+from ..comms.custom import CommHooks
 from .mesh_info import DPMesh
 from .sharded_param import local_of, make_sharded_grad
 
-__all__ = ["ParamInfo", "Unit"]
+__all__ = ["ParamInfo", "Unit", "HostSide", "UnitGroup", "Building"]
+
+
+class HostSide(Protocol):
+    """What a unit calls of its host side under ``offload_policy`` (``offload/staging.py``'s
+    ``UnitOffload``, handed in by ``attach_offload``; the offload layer sits above this one)."""
+
+    def stage(self, unit: Unit) -> Pending | None: ...
+
+    def release_staged(self, unit: Unit) -> None: ...
+
+    def grads_to_host(self, unit: Unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]: ...
 
 
 @dataclass
@@ -63,6 +74,16 @@ class ParamInfo:
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.owners:
             module._parameters[name] = param
+
+    # ``unsharded`` is made at the first gather and reused by every later one (its view of the
+    # unsharded buffer stays a valid object across free and re-gather): these two write it.
+    def set_unsharded(self, param: nn.Parameter) -> nn.Parameter:
+        self.unsharded = param
+        return param
+
+    def forget_unsharded(self) -> None:
+        """Its views point into storage that is gone (the buffer was rebuilt): made anew at the next gather."""
+        self.unsharded = None
 
 
 def _local_grad(g: DTensor, spec, dp_dims: tuple[int, ...] = ()) -> torch.Tensor:
@@ -102,7 +123,7 @@ class Unit:
         self.group_name = group_name
         self._after_grad = after_grad
         self.hooks = hooks  # the group's custom comms and hook (the group's object, shared)
-        self.offload = None  # an offload.staging.UnitOffload under fully_shard(offload_policy=...)
+        self.offload: HostSide | None = None  # fully_shard(offload_policy=...): offload/staging.py's UnitOffload
         self.wire: WireState | None = None  # fully_shard(gradient_reduce=...): blocks and residual
 
     def __repr__(self) -> str:
@@ -137,9 +158,21 @@ class Unit:
             trace.record("all_gather", self, self.unsharded_bytes())
         return p
 
-    def attach_offload(self, offload) -> None:
+    def attach_offload(self, offload: HostSide) -> None:
         """fully_shard(offload_policy=...): the host side of this unit (offload.staging.UnitOffload)."""
         self.offload = offload
+
+    def release_staged(self) -> None:
+        """Its all-gather was waited for: the device copy of a host segment can go."""
+        if self.offload is not None:  # nothing staged otherwise (also: subclass units)
+            self.offload.release_staged(self)
+
+    def grads_to_host(self, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
+        """Where the reduced segment ``target`` is handed out from: itself, or (grads
+        offload) a host copy, with the copy to wait for first."""
+        if self.offload is None:
+            return target, None
+        return self.offload.grads_to_host(self, target)
 
     def gathered(self) -> None:
         """Its all-gather was waited for: the parameters are the unsharded ones, nothing kept."""
@@ -201,7 +234,7 @@ class Unit:
                 # placements whose local tensor is the gathered view (as before fully_shard)
                 view = DTensor.from_local(view, spec.mesh, spec.placements, run_check=False,
                                           shape=spec.shape, stride=spec.stride)
-            p = info.unsharded = nn.Parameter(view, requires_grad=info.sharded.requires_grad)
+            p = info.set_unsharded(nn.Parameter(view, requires_grad=info.sharded.requires_grad))
             if buf.reduce_dtype != buf.compute_dtype and spec is None:
                 p.grad_dtype = buf.reduce_dtype
             if p.requires_grad:
@@ -356,3 +389,31 @@ class Unit:
                 info.sharded.grad = None
                 continue
             info.sharded.grad = make_sharded_grad(buf.local_view(target, i), info.sharded)
+
+
+class UnitGroup(Protocol):
+    """What the helpers of a group read of it (a :class:`~.param_group.ParamGroup`), typed
+    here so they need not import ``param_group.py``, which imports them."""
+
+    units: list[Unit]
+    infos: list[ParamInfo]
+
+    def describe(self) -> str: ...
+
+
+class Building(Protocol):
+    """What building units reads of the group it builds for (a :class:`~.param_group.ParamGroup`;
+    ``build.py`` and ``subclass_unit.py``)."""
+
+    all_gather_quant: Any  # a BlockFP8 policy or None
+    dps: list[DPMesh]
+    device: torch.device
+    mp_policy: Any
+    hooks: CommHooks
+    gradient_reduce: Any  # a GradientReduce or None
+
+    def name(self) -> str: ...
+
+    def after_grad(self, param: torch.Tensor) -> None: ...
+
+    def describe(self) -> str: ...

@@ -30,6 +30,7 @@ import torch.nn as nn
 from .. import tracing as trace
 from ..core.common import TrainingState
 from ..core.init import state_of
+from ..core.param_group import ParamGroup
 from .staging import host_empty, policy_of
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.placement.dtensor import wrap
@@ -39,7 +40,7 @@ from ..core.sharded_param import local_of, make_sharded_grad, repoint
 __all__ = ["offload_to_host", "load_to_device"]
 
 
-def _groups(model: nn.Module) -> list:
+def _groups(model: nn.Module) -> list[ParamGroup]:
     seen, out = set(), []
     for m in model.modules():
         st = state_of(m)
@@ -119,7 +120,7 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
     groups = _groups(model)
     for g in groups:
         if g.training_state is not TrainingState.IDLE:
-            raise RuntimeError(f"offload_to_host/load_to_device: {g._describe()} is inside forward or "
+            raise RuntimeError(f"offload_to_host/load_to_device: {g.describe()} is inside forward or "
                                "backward; call it between steps")
     if to_host and any(g.on_host is not None for g in groups):
         raise RuntimeError("offload_to_host: the model is already on the host; call load_to_device first")
@@ -158,7 +159,7 @@ def _move(model: nn.Module, optimizer, to_host: bool) -> None:
             mover.add(local_of(v))
     mover.finish()
     for u in units:
-        u.buf.sharded = mover.moved(u.buf.sharded)
+        u.buf.replace_sharded(mover.moved(u.buf.sharded))
         trace.record("d2h" if to_host else "h2d", u, u.buf.sharded.numel() * u.buf.sharded.element_size())
     old_grads = {id(i): local_of(i.sharded.grad) for i in grads}
     for u in units:

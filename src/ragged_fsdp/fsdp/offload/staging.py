@@ -1,5 +1,7 @@
 """The engine side of ``fully_shard(offload_policy=...)``: host buffers per DBuffer and the
 copies between them and the device, all through the device seam (:mod:`..comms.device`).
+A unit is handed its :class:`UnitOffload` (``Unit.attach_offload``) and calls it; ``core/``
+does not import this layer.
 
 One :class:`UnitOffload` per unit of a group with a policy. What it does per state:
 
@@ -29,10 +31,12 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from .. import tracing as trace
 from ..comms.device import Device, Pending
+from ..core.param_group import ParamGroup
 from ..core.sharded_param import repoint
+from ..core.unit import Unit
 from .policy import OffloadPolicy
 
-__all__ = ["UnitOffload", "attach", "policy_of", "host_empty", "release_staged", "grads_to_host"]
+__all__ = ["UnitOffload", "attach", "policy_of", "host_empty"]
 
 # id(sharded param) -> (weakref to its group, policy). Keyed by id, not by a weakref to the
 # parameter: a weakref on a parameter makes swap_tensors (model.to()) refuse it.
@@ -62,18 +66,17 @@ class UnitOffload:
         self.dev = dev
 
     # -- params ------------------------------------------------------------------------
-    def params_to_host(self, unit) -> None:
+    def params_to_host(self, unit: Unit) -> None:
         buf = unit.buf
         host = host_empty(buf.segment, buf.dtype, bool(self.policy.pin_memory))
         self.dev.copy("d2h", host, buf.sharded).wait()
         trace.record("d2h", unit, host.numel() * host.element_size())
-        buf.sharded = host
-        buf.host_sharded = True
+        buf.keep_on_host(host)
         for info in unit.infos:
             repoint(info.sharded, buf.sharded_view(info.slot))
             info.register(info.sharded)
 
-    def stage(self, unit) -> Pending | None:
+    def stage(self, unit: Unit) -> Pending | None:
         """Copy the host segment to the device for the all-gather; returns the copy (the
         all-gather goes after it) or None when the segment is not on the host."""
         buf = unit.buf
@@ -81,12 +84,27 @@ class UnitOffload:
             return None
         staged = torch.empty(buf.segment, dtype=buf.dtype, device=buf.device)
         pending = self.dev.copy("h2d", staged, buf.sharded)
-        buf.staged = staged
+        buf.stage(staged)
         trace.record("h2d", unit, staged.numel() * staged.element_size())
         return pending
 
+    def release_staged(self, unit: Unit) -> None:
+        """Drop the device copy of the host segment once its all-gather was waited for."""
+        staged = unit.buf.unstage()
+        if staged is not None:
+            trace.record("unstage", unit, staged.numel() * staged.element_size())
 
-def attach(group, policy: OffloadPolicy) -> None:
+    def grads_to_host(self, unit: Unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
+        """Start copying a reduced gradient segment to a new host segment (grads policy);
+        returns what the sharded grads should point into and the copy to wait for."""
+        if not self.policy.grads:
+            return target, None
+        host = host_empty(target.numel(), target.dtype, bool(self.policy.pin_memory))
+        trace.record("d2h", unit, host.numel() * host.element_size())
+        return host, self.dev.copy("d2h", host, target)
+
+
+def attach(group: ParamGroup, policy: OffloadPolicy) -> None:
     """Give every unit of ``group`` its host side and move what lives on the host there."""
     if policy.params and group.all_gather_quant is not None:
         raise NotImplementedError(
@@ -104,25 +122,3 @@ def attach(group, policy: OffloadPolicy) -> None:
     ref = weakref.ref(group)
     for info in group.infos:
         _policies[id(info.sharded)] = (ref, policy)
-
-
-def release_staged(units) -> None:
-    """Drop the device copies of host segments whose all-gathers were waited for."""
-    for u in units:
-        if u.offload is None:  # nothing staged (also: subclass units, whose store has no host copy)
-            continue
-        buf = u.buf
-        if buf.staged is not None:
-            trace.record("unstage", u, buf.staged.numel() * buf.staged.element_size())
-            buf.staged = None
-
-
-def grads_to_host(unit, target: torch.Tensor) -> tuple[torch.Tensor, Pending | None]:
-    """Start copying a reduced gradient segment to a new host segment (grads policy);
-    returns what the sharded grads should point into and the copy to wait for."""
-    off = unit.offload
-    if off is None or not off.policy.grads:
-        return target, None
-    host = host_empty(target.numel(), target.dtype, bool(off.policy.pin_memory))
-    trace.record("d2h", unit, host.numel() * host.element_size())
-    return host, off.dev.copy("d2h", host, target)
