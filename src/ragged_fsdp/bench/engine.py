@@ -21,6 +21,9 @@ With ``--mesh RxS`` both ragged_fsdp and FSDP2 shard over S ranks and replicate 
 ``fully_shard(block, mesh=mesh)`` calls); FSDP1 and DDP take no 2-D mesh and are left out.
 Every launch also counts, for ragged_fsdp and FSDP2, the bytes each rank sends in one step by
 collective kind (``comm_bytes``: the counting rule is there).
+
+The command line is read and checked in ``ragged_fsdp.cli.bench``; the workloads' models are
+``ragged_fsdp.models.workloads``.
 """
 
 from __future__ import annotations

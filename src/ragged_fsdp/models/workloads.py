@@ -14,6 +14,7 @@ VOCAB = {"deep": 512}  # token ids are drawn below each workload's vocabulary (2
 
 
 def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
+    """The workload ``kind``, seeded (0) so that every framework trains the same weights."""
     torch.manual_seed(0)
     if quick:  # the same architectures, tiny
         from .llama import Llama, LlamaConfig
