@@ -1,6 +1,6 @@
 """What the checksums cost a local save and load: one process, 256 MiB of fp32 in 64 tensors.
 
-    PYTHONPATH=src python tests/_probe_local_save_cost.py /tmp/lsb
+    python benchmarks/local_save_cost.py /tmp/lsb
 
 Prints the best of 3 wall-clock seconds of ``save_local`` and of ``load_local`` (each into a
 new directory / into fresh tensors). Run it with another checkout's ``src`` to compare.

@@ -1,7 +1,7 @@
 """What FSDP2's usual saves do with the faults tests/test_local_save_integrity.py gives the
 local save (printed, not asserted: torch's behaviour, recorded in docs/reliability-checkpoints.md).
 
-    torchrun --nproc-per-node 2 tests/_probe_fsdp2_saves.py /tmp/fsdp2_probe
+    torchrun --nproc_per_node 2 benchmarks/local_save_faults_fsdp2.py /tmp/fsdp2_probe
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``) on the tiny LLaMA, gloo, W=2; per-rank
 ``torch.save(model.state_dict())`` files (the no-collective save) and ``dcp.save`` with torch's

@@ -8,7 +8,7 @@ floor an owner cannot go below without changing torch's operations.
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ragged_fsdp.bench.engine import build
+from ragged_fsdp.models.workloads import build
 from ragged_fsdp.optim import Muon, muon_param_groups
 from ragged_fsdp.optim.muon import DEFAULT_NS_COEFFICIENTS, _newton_schulz_
 

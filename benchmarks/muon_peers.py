@@ -55,7 +55,7 @@ IMPLS = ("ragged whole, bounded", "ragged whole, one wave", "FSDP2 + DistMuon", 
 
 
 def _model():
-    from ragged_fsdp.bench.engine import build
+    from ragged_fsdp.models.workloads import build
 
     return build("dense", 64)
 

@@ -42,11 +42,7 @@ FSDP_LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Imports against the order that exist today, each (importer, imported). Remove an entry when
 # its import goes: the test fails on a listed edge that no longer exists.
-ALLOWED_UPWARD: set[tuple[str, str]] = {
-    # bench -> cli: the branch that moves the docs' measurement scripts out of bench/ breaks these.
-    ("ragged_fsdp.bench.engine", "ragged_fsdp.cli._args"),
-    ("ragged_fsdp.bench.host_cost", "ragged_fsdp.cli._args"),
-}
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 def _index(layers, member: str) -> int | None:

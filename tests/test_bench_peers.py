@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from ragged_fsdp.bench import peers, peers_frameworks
-from ragged_fsdp.bench.peers_render import render_page, render_table
+import _benchmarks  # noqa: F401  (benchmarks/ on sys.path)
+import peers
+import peers_frameworks
+from peers_render import render_page, render_table
 
 ERR = ("builtins.AssertionError (megatron_fsdp 0.6.1):\n  File \"megatron_fsdp/megatron_fsdp.py\", line 234\n"
        "AssertionError: Torch not compiled with CUDA enabled")
@@ -26,7 +28,7 @@ def _doc():
              "reason": "  " + ERR.replace("\n", "\n  ")},  # the same error, indented otherwise
             {"world": 2, "workload": "dense", "framework": "deepspeed_zero3", "version": None, "status": "skipped",
              "reason": peers_frameworks.install_hint("deepspeed_zero3")}]
-    meta = {"command": "python -m ragged_fsdp.bench.peers --world 2", "date": "2026-12-01 11:00 UTC",
+    meta = {"command": "python benchmarks/peers.py --world 2", "date": "2026-12-01 11:00 UTC",
             "versions": {"torch": "2.13.0", "ragged_fsdp": "0.1.0", "deepspeed_zero3": None, "megatron_fsdp": "0.6.1"},
             "machine": {"cores": 2, "gpu": None, "platform": "Linux x86_64"}, "conditions": "loaded by other work",
             "worlds": [2], "check_steps": 2, "rounds": 1, "steps": 1, "rtol": 1e-4, "lr": 1e-4}
@@ -36,7 +38,7 @@ def _doc():
 def test_render_page_has_conditions_table_and_verbatim_errors():
     page = render_page(_doc(), "# Title", "closing note")
     assert page.startswith("# Title")
-    for needle in ("python -m ragged_fsdp.bench.peers --world 2", "2026-12-01", "torch 2.13.0", "Megatron-FSDP 0.6.1", "DeepSpeed ZeRO-3 not installed", "2 CPU cores",
+    for needle in ("python benchmarks/peers.py --world 2", "2026-12-01", "torch 2.13.0", "Megatron-FSDP 0.6.1", "DeepSpeed ZeRO-3 not installed", "2 CPU cores",
                    "no GPU", "loaded by other work", "closing note"):
         assert needle in page, needle
     table = render_table(_doc())

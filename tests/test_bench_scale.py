@@ -1,4 +1,4 @@
-"""bench.scale: its layout math against what DCP really gets, the planner it times, and its
+"""benchmarks/scale.py: its layout math against what DCP really gets, the planner it times, and its
 report. No timing is asserted (the machine is shared): only that the numbers agree.
 """
 
@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from ragged_fsdp.bench.scale_layout import (
+import _benchmarks  # noqa: F401  (benchmarks/ on sys.path)
+from scale_layout import (
     fsdp2_chunk, items_per_rank, loglog_exponent, module_order, ragged_chunks, ragged_plans, subset_model, wrap_groups,
 )
 from ragged_fsdp.run_counts import RunCounts
@@ -57,7 +58,7 @@ def test_fsdp2_chunk_is_torch_chunk():
 
 
 def test_metadata_covers_every_element_once(two_layers):
-    from ragged_fsdp.bench import scale_dcp
+    import scale_dcp
     from ragged_fsdp.checkpoint.scale_planner import ScaleSavePlanner, flat_interval
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -77,7 +78,7 @@ def test_metadata_covers_every_element_once(two_layers):
 
 
 def test_scale_planner_refuses_what_dcp_refuses():
-    from ragged_fsdp.bench import scale_dcp
+    import scale_dcp
     from ragged_fsdp.checkpoint.scale_planner import ScaleSavePlanner
 
     shapes = {"w": (4, 6)}
@@ -101,7 +102,7 @@ def test_loglog_exponent():
 def test_setup_on_the_fake_group_matches_the_layout_math():
     """W=64 fake ranks (first, middle, last; own processes) of a 2-block Llama-3-70B: the DCP
     chunks of the real fully_shard-ed state dicts are what the layout math says."""
-    from ragged_fsdp.bench.scale import CONFIGS, run_setup
+    from scale import CONFIGS, run_setup
 
     rows = run_setup(["llama3-70b"], [W], CONFIGS)
     assert {(r["config"], r["rank"]) for r in rows} == {(c[0], r) for c in CONFIGS for r in (0, W // 2, W - 1)}
@@ -115,8 +116,8 @@ def test_setup_on_the_fake_group_matches_the_layout_math():
 
 
 def test_planning_rows_and_report():
-    from ragged_fsdp.bench.scale import CONFIGS, run_planning
-    from ragged_fsdp.bench.scale_report import summarize, table
+    from scale import CONFIGS, run_planning
+    from scale_report import summarize, table
 
     rows = run_planning(["llama3-70b"], [16, 32], CONFIGS[:1] + CONFIGS[2:], load_to=8)
     summary = summarize([], rows)
@@ -129,7 +130,7 @@ def test_planning_rows_and_report():
 
 
 def test_sim_host_costs_follow_the_measured_power_law(tmp_path, monkeypatch):
-    from ragged_fsdp.bench.scale_report import sim_table
+    from scale_report import sim_table
     from ragged_fsdp.sim import host
 
     cells = [{"model": "llama3-70b", "config": "ours-row", "world": w, "setup_cpu_s": 2.0 * (w / 1024),

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+import _benchmarks  # noqa: F401  (benchmarks/ on sys.path)
 from _dist import check_case, cpu_mesh, full, global_batch, run_cases
 
 from ragged_fsdp import BlockFP8, fully_shard
@@ -334,7 +335,7 @@ def case_bad_configurations(rank, world):
 
 def case_bench_bytes_match_engine(rank, world):
     """The bench's planned bytes per gather equal the engine's buffers for the same model."""
-    from ragged_fsdp.bench.fp8_allgather import cell, module_groups
+    from fp8_allgather import cell, module_groups
 
     mesh = cpu_mesh(world)
     plain = _build()

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import _benchmarks  # noqa: F401  (benchmarks/ on sys.path)
 from _dist import check_case, run_cases
 
 from ragged_fsdp import GradientReduce
@@ -175,7 +176,7 @@ def _entries(slot):
     (["--modes", "fp32,fsdp2-b32"], "--modes: unknown fsdp2-b32"),
 ])
 def test_bench_refuses_bad_options(argv, message, capsys):
-    from ragged_fsdp.bench import grad_wire as bench
+    import grad_wire as bench
 
     with pytest.raises(SystemExit):
         bench.main(argv)
@@ -185,7 +186,7 @@ def test_bench_refuses_bad_options(argv, message, capsys):
 def test_bench_block_modes():
     """``-b<N>`` on a scaled wire mode sets the block size; the mode without it keeps its
     name and the default block size (its rows unchanged)."""
-    from ragged_fsdp.bench import grad_wire as bench
+    import grad_wire as bench
 
     assert bench.mode_of("int8-ef") == bench.MODES["int8-ef"]
     name, spec = bench.mode_of("int8-ef-b32")
@@ -198,7 +199,7 @@ def test_bench_block_modes():
 def test_seed_summary_interval():
     """The seed summary's 95% interval is mean +- t(0.975, n - 1) * s.e.: for offsets 0, 1, 2, 3
     (mean 1.5, sample s.d. 1.291, s.e. 0.6455) it is 1.5 +- 3.182 * 0.6455."""
-    from ragged_fsdp.bench import grad_wire as bench
+    import grad_wire as bench
 
     runs = [{"rows": {"fp32 reduce": {}, "int8": {"mode": "int8", "final_loss_vs_fp32": x, "last50_vs_fp32": -x,
                                                  "bytes_vs_fp32": 0.258}}} for x in (0.0, 1.0, 2.0, 3.0)]
@@ -211,10 +212,10 @@ def test_seed_summary_interval():
 
 
 def test_grad_blocks_diagnostic():
-    """bench.grad_blocks: the histogram covers the buffers, smaller blocks round fewer of the
+    """benchmarks/grad_blocks.py: the histogram covers the buffers, smaller blocks round fewer of the
     MoE gradient's elements to code 0, and a rows:128 Llama block's largest block is the
     block size."""
-    from ragged_fsdp.bench import grad_blocks
+    import grad_blocks
 
     row = grad_blocks.measure_model("moe", 4, [32, 128])
     by = row["by_block"]
@@ -506,7 +507,7 @@ def case_refuses_bf16_reduce_dtype(rank, world):
 
 
 def _bench_args(*extra):
-    from ragged_fsdp.bench import grad_wire as bench
+    import grad_wire as bench
 
     ap = bench._parser()
     args = ap.parse_args(["--model", "demo", "--dim", "32", "--layers", "1", "--hidden", "48", "--seq-len", "16",
@@ -516,13 +517,13 @@ def _bench_args(*extra):
 
 
 def case_bench_error_probe_leaves_training_bitwise(rank, world):
-    """bench.grad_wire --grad-error wraps the engine's wire reduction to measure it: the
+    """benchmarks/grad_wire.py --grad-error wraps the engine's wire reduction to measure it: the
     training it measures must be the one without it, bit for bit (losses and weights), and
     with error feedback its accumulated error is the residuals' mean (bounded), below the
     one without feedback after a few steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ragged_fsdp.bench import grad_wire as bench
+    import grad_wire as bench
 
     mesh = init_device_mesh("cpu", (world,))
     batches = bench._Batches(_bench_args(), world)

@@ -1,7 +1,8 @@
 """optim_report's flat rows: the shape docs/optimizers.md's bench blocks read (no ranks spawned)."""
 
-from ragged_fsdp.bench import render
-from ragged_fsdp.bench.optim_report import flat_rows
+import _benchmarks  # noqa: F401  (benchmarks/ on sys.path)
+import render
+from optim_report import flat_rows
 
 
 def _report(world=2):

@@ -21,26 +21,27 @@ With ``--mesh RxS`` both ragged_fsdp and FSDP2 shard over S ranks and replicate 
 ``fully_shard(block, mesh=mesh)`` calls); FSDP1 and DDP take no 2-D mesh and are left out.
 Every launch also counts, for ragged_fsdp and FSDP2, the bytes each rank sends in one step by
 collective kind (``comm_bytes``: the counting rule is there).
+
+The command line is read and checked in ``ragged_fsdp.cli.bench``; the workloads' models are
+``ragged_fsdp.models.workloads``.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from ..cli._args import UsageError, choices, output_path, positive_int, whole_number
-from .meta import run_meta
+
+from ..models.workloads import VOCAB, build
 
 VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
 MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
@@ -71,59 +72,6 @@ def batch_shape(kind: str, cfg: BenchConfig) -> tuple[int, int]:
     if cfg.quick or kind == "deep":
         return 2, 16
     return (1, 32) if kind in ("dense-wide", "dense-1024") else (cfg.batch, cfg.seq_len)
-
-
-def build(kind: str, seq_len: int, quick: bool = False) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if quick:  # the same architectures, tiny
-        from ragged_fsdp.models.llama import Llama, LlamaConfig
-        from ragged_fsdp.models.moe import MoE, MoEConfig
-
-        if kind == "moe":
-            return MoE(MoEConfig(vocab_size=2048, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8,
-                                 top_k=2, expert_hidden=16, max_seq_len=seq_len, fused_experts=True))
-        if kind == "deep":
-            return Llama(LlamaConfig(vocab_size=VOCAB["deep"], dim=32, n_layers=6, n_heads=4, n_kv_heads=2,
-                                     ffn_hidden=64, max_seq_len=seq_len))
-        if kind in ("dense", "dense-wide", "dense-1024"):
-            return Llama(LlamaConfig(vocab_size=2048, dim=32 if kind == "dense" else 64, n_layers=2,
-                                     n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=seq_len))
-    if kind == "dense":
-        from ragged_fsdp.models.llama import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                                 ffn_hidden=704, max_seq_len=seq_len))
-    if kind in ("dense-wide", "dense-1024"):
-        # Parameters and gradients dominate (as with activation checkpointing at scale):
-        # this is where what the framework does with parameter memory shows. dense-1024 is the
-        # issue-10 target workload; dense-wide (dim 512) is what earlier reports measured.
-        from ragged_fsdp.models.llama import Llama, LlamaConfig
-
-        if kind == "dense-wide":
-            return Llama(LlamaConfig(vocab_size=2048, dim=512, n_layers=4, n_heads=8, n_kv_heads=4,
-                                     ffn_hidden=1408, max_seq_len=seq_len))
-        return Llama(LlamaConfig(vocab_size=2048, dim=1024, n_layers=4, n_heads=16, n_kv_heads=8,
-                                 ffn_hidden=2816, max_seq_len=seq_len))
-    if kind == "deep":
-        # Many small blocks: the per-block host work of the engine's hooks decides the step
-        # (python -m ragged_fsdp.bench.host_cost splits it by hook).
-        from ragged_fsdp.models.llama import Llama, LlamaConfig
-
-        return Llama(LlamaConfig(vocab_size=VOCAB["deep"], dim=64, n_layers=48, n_heads=4, n_kv_heads=2,
-                                 ffn_hidden=128, max_seq_len=max(seq_len, 16)))
-    if kind == "moe":
-        # Fused 3-D experts: with separate expert modules, an expert that gets no token on
-        # one rank has no gradient there, and FSDP2 then reduce-scatters a different set
-        # of tensors on each rank (a collective mismatch; ragged_fsdp handles it).
-        from ragged_fsdp.models.moe import MoE, MoEConfig
-
-        return MoE(MoEConfig(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                             n_experts=32, top_k=2, expert_hidden=128, max_seq_len=seq_len,
-                             fused_experts=True))
-    raise ValueError(f"unknown model kind {kind!r}: expected dense, moe, dense-1024, dense-wide or deep")
-
-
-VOCAB = {"deep": 512}  # token ids are drawn below each workload's vocabulary (2048 unless listed)
 
 
 def wrap(model: torch.nn.Module, variant: str, mesh) -> torch.nn.Module:
@@ -556,122 +504,3 @@ def plot(reports: dict[int, dict], cfg: BenchConfig, path: str) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="step time / memory / copies of ragged_fsdp vs torch FSDP2, FSDP1, DDP")
-    d = BenchConfig()
-    p.add_argument("--world", default=None, help=f"world sizes, e.g. 2,4 (default {','.join(map(str, d.worlds))}; "
-                   "with --mesh RxS: R*S)")
-    p.add_argument("--mesh", default=None, metavar="RxS",
-                   help="HSDP on an R x S (replicate, shard) mesh for ragged_fsdp and FSDP2, e.g. 2x2 "
-                        "(FSDP1 and DDP take no 2-D mesh and are left out)")
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--models", default=",".join(d.models))
-    p.add_argument("--frameworks", default=None,
-                   help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
-    p.add_argument("--quick", action="store_true", help="tiny models, one round of one step (a smoke test)")
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--compile", default=None, metavar="BACKEND", choices=("eager", "aot_eager", "inductor"),
-                   help="torch.compile every block (each framework the same way) with this backend")
-    p.add_argument("--out", default=None,
-                   help=f"JSON (default {d.out}; with --mesh RxS: out/bench_engine_meshRxS.json)")
-    p.add_argument("--png", default=None, help=f"PNG (default {d.png}; with --mesh, beside the JSON)")
-
-
-def parse_mesh(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    try:
-        r, s = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise UsageError(f"--mesh {text!r}: expected RxS, the replicate and shard sizes, e.g. 2x2") from None
-    if r < 1 or s < 1:
-        raise UsageError(f"--mesh {text!r}: both sizes must be at least 1")
-    return r, s
-
-
-def parse_worlds(text: str) -> tuple[int, ...]:
-    worlds = tuple(whole_number("--world", t, text) for t in str(text).split(","))
-    for w in worlds:
-        if w < 1:  # zero ranks would leave the parent waiting for a report no rank sends
-            raise UsageError(f"--world {text}: {w} ranks; every world size must be at least 1")
-    if len(set(worlds)) < len(worlds):
-        raise UsageError(f"--world {text}: a world size listed twice; name each once")
-    return worlds
-
-
-def check_args(args) -> tuple:
-    """(worlds, mesh, frameworks, models, out, png) of the command line, or a UsageError naming the flag:
-    all in the parent, before any rank is spawned (a rank's error arrives only after its torch
-    import, and a world of 0 ranks never reports at all)."""
-    mesh = parse_mesh(getattr(args, "mesh", None))
-    d = BenchConfig()
-    if args.world is None:
-        worlds = (mesh[0] * mesh[1],) if mesh else d.worlds
-    else:
-        worlds = parse_worlds(args.world)
-    if mesh and any(w != mesh[0] * mesh[1] for w in worlds):
-        raise UsageError(f"--world {args.world} does not match --mesh {args.mesh}: the mesh needs "
-                         f"{mesh[0] * mesh[1]} ranks (pass --world {mesh[0] * mesh[1]} or leave --world out)")
-    if args.frameworks is None:
-        frameworks = MESH_VARIANTS if mesh else VARIANTS
-    else:
-        frameworks = choices("--frameworks", args.frameworks, VARIANTS, "frameworks")
-        if mesh and set(frameworks) - set(MESH_VARIANTS):
-            raise UsageError(f"--frameworks {args.frameworks} with --mesh: "
-                             f"{', '.join(sorted(set(frameworks) - set(MESH_VARIANTS)))} take no 2-D mesh; "
-                             f"choose from {', '.join(MESH_VARIANTS)}")
-    # dense-wide: the dim-512 workload of earlier reports, built on request only
-    models = choices("--models", args.models, WORKLOADS + ("dense-wide",), "workloads")
-    positive_int("--rounds", args.rounds)
-    positive_int("--steps", args.steps)
-    tag = f"_mesh{mesh[0]}x{mesh[1]}" if mesh else ""
-    out = args.out or (f"out/bench_engine{tag}.json" if mesh else d.out)
-    png = args.png if args.png is not None else (str(Path(out).with_suffix(".png")) if mesh else d.png)
-    # written after every launch has run: a path that cannot be written would lose them all
-    output_path("--out", out)
-    if png:
-        output_path("--png", png)
-    return worlds, mesh, frameworks, models, out, png
-
-
-def main(args) -> int:
-    worlds, mesh, frameworks, models, out, png = check_args(args)
-    base = dict(rounds=args.rounds, steps=args.steps, models=models,
-                frameworks=frameworks, profile=args.profile, out=out,
-                png=png, quick=args.quick, worlds=worlds, mesh=mesh, compile=getattr(args, "compile", None))
-    if args.quick:
-        base.update(rounds=1, steps=1)
-    reports, configs = {}, {}
-    for w in worlds:
-        cfg = BenchConfig(world=w, **base)
-        reports[w] = run(cfg)
-        configs[w] = cfg
-        print_report(cfg, reports[w])
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    # "report" keeps its shape (per workload) for readers of earlier files (sim.bench_check):
-    # the W=2 launch when there is one; every launch is under "by_world".
-    first = 2 if 2 in reports else worlds[0]
-    rows = [row for w, r in reports.items() for row in summary_rows(w, r)]
-    Path(out).write_text(json.dumps({"meta": run_meta(), "config": asdict(configs[first]), "rows": rows,
-                                     "report": reports[first],
-                                          "by_world": {str(w): r for w, r in reports.items()}},
-                                         indent=1, default=str))
-    print(f"\nwrote {out}")
-    if png:
-        made = plot(reports, configs[worlds[0]], png)
-        print(f"wrote {made}" if made else "(install matplotlib for the PNG)")
-    return 0
-
-
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    sub = ap.add_subparsers(dest="command")
-    add_parser(sub)
-    try:
-        raise SystemExit(main(ap.parse_args(["bench"] + __import__("sys").argv[1:])))
-    except UsageError as e:  # its exit code is 2, so Python would print nothing
-        print(f"bench: error: {e}", file=__import__("sys").stderr)
-        raise

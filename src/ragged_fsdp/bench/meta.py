@@ -1,7 +1,7 @@
 """The conditions a benchmark ran under, recorded beside its numbers.
 
 Every bench that writes JSON puts ``"meta": run_meta()`` at the top level, so a table rendered
-from the file (``python -m ragged_fsdp.bench.render``) can say which command produced it, when,
+from the file (``python benchmarks/render.py`` in a checkout) can say which command produced it, when,
 with which torch, and on what machine. Load average is recorded because timings taken on a
 shared machine move with it; byte counts and MemTracker peaks do not.
 """
@@ -32,12 +32,19 @@ def _load() -> str | None:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command as a user would type it: ``python -m <module> args`` rather than a file path."""
+    """The command as a user would type it: ``python -m <module> args`` for a module, and for a
+    script its path from the working directory (``python benchmarks/grad_wire.py args``, run from
+    the checkout's root), so that the recorded command can be run again as written."""
     argv = list(sys.argv if argv is None else argv)
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    head = ["python", "-m", spec.name.removesuffix(".__main__")] if spec is not None and spec.name else \
-        ["python", os.path.basename(argv[0]) if argv else "?"]
+    if spec is not None and spec.name:
+        head = ["python", "-m", spec.name.removesuffix(".__main__")]
+    elif argv:
+        path = os.path.relpath(argv[0])
+        head = ["python", os.path.basename(argv[0]) if path.startswith("..") else path]
+    else:
+        head = ["python", "?"]
     return shlex.join(head + argv[1:])
 
 

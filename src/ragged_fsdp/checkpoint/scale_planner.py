@@ -5,7 +5,7 @@ DCP's coordinator checks that no two saved chunks of a tensor overlap with a swe
 tensor's *longest* dim. Row-shaped chunks (FSDP2's ``Shard(0)``, our RaggedShard boxes) span
 all of a wide tensor's longest dim (``down_proj`` is 8,192 x 28,672), so every chunk is
 active at once and the sweep compares every pair: at W=16,384 that is ~10^7 box checks per
-wide tensor, most of the coordinator's planning time (measured by ``bench.scale``).
+wide tensor, most of the coordinator's planning time (measured by ``benchmarks/scale.py``).
 
 A chunk that is a contiguous run of the tensor's row-major flattening (ones on the leading
 dims, any extent on one dim, full extent on the rest, which is every RaggedShard box and

@@ -12,7 +12,7 @@ import os
 class UsageError(SystemExit):
     """A refused command line: exit code 2 (argparse's), one line on stderr.
 
-    A ``SystemExit`` so that callers of ``cli.main`` (and ``bench.engine.main``) stop as argparse
+    A ``SystemExit`` so that callers of ``cli.main`` (and ``cli.bench.run``) stop as argparse
     stops them; its text is the message, which ``cli.main`` prints before passing it on (with
     an integer code Python itself prints nothing)."""
 

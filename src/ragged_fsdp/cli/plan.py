@@ -67,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document (a list, one object per cell)")
     p.add_argument("--out", default=None, metavar="PATH",
                    help="also write the cells with the run's conditions ({meta, cells}) to PATH, "
-                        "for python -m ragged_fsdp.bench.render")
+                        "for python benchmarks/render.py")
     p.add_argument("--list-models", action="store_true", help="list the model ids and exit")
     return p
 

@@ -29,7 +29,7 @@ from ._runs import contiguous_runs, flat_view, member_of
 __all__ = ["DEFAULT_CHUNK", "ACCELERATOR_CHUNK", "default_chunk", "adamw_grouped", "flat_states", "storage_order"]
 
 # Elements per chunk on the CPU: large enough that per-op overhead is small, small enough that a
-# chunk of every operand stays in cache (src/ragged_fsdp/bench/optim_step.py sweeps it).
+# chunk of every operand stays in cache (benchmarks/optim_step.py sweeps it).
 DEFAULT_CHUNK = 1 << 16
 # On an accelerator every chunk is 8 kernel launches from Python and there is no cache to stay
 # in, so the chunk only bounds the temporary: 2^24 fp32 elements is 64 MiB (torch's foreach

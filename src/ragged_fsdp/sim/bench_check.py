@@ -90,7 +90,7 @@ def trace_local(model, x, y, prof: GPUProfile) -> _Counter:
 
 def predict_bench(prof: GPUProfile, kind: str, world: int = 2) -> dict:
     """Predicted seconds per step for ``local``, ``ragged_fsdp`` and ``fsdp2``."""
-    from ..bench.engine import build
+    from ..models.workloads import build
 
     torch.set_num_threads(1)
     model = build(kind, 128)

@@ -1,9 +1,9 @@
-"""Host-side start-up and checkpoint-planning costs, from ``bench.scale``'s measurements.
+"""Host-side start-up and checkpoint-planning costs, from ``benchmarks/scale.py``'s measurements.
 
 The step-time model says nothing about what a job pays before its first step or at each
 checkpoint on the host: every rank's ``fully_shard`` set-up, and DCP's save planning on the
 coordinator (``create_global_plan`` over all W local plans), the ``.metadata`` every rank
-reads back at load, and the local save's per-rank ``.meta``. ``bench.scale`` measured them
+reads back at load, and the local save's per-rank ``.meta``. ``benchmarks/scale.py`` measured them
 (process CPU seconds, one host core, fake process group; ``docs/scale.md``), and at load
 every rank's reading of ``.metadata`` and its DCP load planning for Llama-3-70B
 and DeepSeek-V3 at 1,024-16,384 ranks and fitted ``y ~ W^e``; ``data/host_costs.json`` holds
@@ -61,8 +61,8 @@ def host_costs(model: str, framework: str, world: int, tensors: int | None = Non
     table = _table()
     config = _CONFIG.get(framework)
     if config is None or not table:
-        why = "no host-cost data (run python -m ragged_fsdp.bench.scale)" if not table else \
-            f"{framework}'s host costs were not measured (bench.scale runs ragged_fsdp and FSDP2)"
+        why = "no host-cost data (run python benchmarks/scale.py)" if not table else \
+            f"{framework}'s host costs were not measured (benchmarks/scale.py runs ragged_fsdp and FSDP2)"
         return {**dict.fromkeys(METRICS), "basis": why}
     base = model.split(":")[0]
     entry = table["models"].get(base)
@@ -93,7 +93,7 @@ def host_costs(model: str, framework: str, world: int, tensors: int | None = Non
 
 def format_host(results_by_fw: dict[str, dict]) -> str:
     """A few lines for the simulate CLI: one per framework with host-cost numbers."""
-    lines = ["host costs (CPU s of one host core, from bench.scale; I/O and network not included):"]
+    lines = ["host costs (CPU s of one host core, from benchmarks/scale.py; I/O and network not included):"]
     for fw, h in results_by_fw.items():
         if h.get("startup_cpu_s") is None:
             lines.append(f"  {fw}: {h['basis']}")

@@ -1,4 +1,4 @@
-"""The layout math behind ``bench.scale``: which checkpoint chunks every rank of W holds.
+"""The layout math behind ``scale.py``: which checkpoint chunks every rank of W holds.
 
 Pure (no process group, no tensors): given a catalog model wrapped the way the bench wraps it
 (one ``fully_shard`` per transformer block, then the root, which takes the embedding, the

@@ -5,7 +5,7 @@ rank the collectives are local, but everything else is the real GPU path: side s
 events, the bf16 cast into the all-gather input, the per-group allocations, and the caching
 allocator, whose reserved-versus-allocated gap (fragmentation) MemTracker on CPU cannot see.
 
-    PYTHONPATH=src python3 -m ragged_fsdp.bench.gpu [--rounds 5] [--steps 5] [--json out.json]
+    PYTHONPATH=src python3 benchmarks/gpu.py [--rounds 5] [--steps 5] [--json out.json]
 
 Rounds alternate the framework order; the figure reported is the median of per-round
 step-time ratios. Peaks are ``max_memory_allocated`` / ``max_memory_reserved`` over one step
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from .meta import run_meta
+from ragged_fsdp.bench.meta import run_meta
 
 WORKLOADS = {
     # name: (dim, layers, batch, seq)

@@ -1,9 +1,9 @@
 """The int8 wire's scale blocks on real gradients, per block size: how many elements round to
 code 0, and how far below their block's step they sit. One process, under a minute::
 
-    python -m ragged_fsdp.bench.grad_blocks --at-steps 0,150,299 --json docs/data/grad_wire_block_zeros.json
+    python benchmarks/grad_blocks.py --at-steps 0,150,299 --json docs/data/grad_wire_block_zeros.json
 
-For each bench model (``bench.grad_wire``'s shrunk demo and MoE, as the docs run them) the
+For each bench model (``grad_wire.py``'s shrunk demo and MoE, as the docs run them) the
 parameters are grouped as the bench wraps them (each block, then the root), laid out over
 ``--world`` ranks with the bench's (default, element) granularity, and filled with rank 0's
 local gradient (a plain model on that rank's rows: what the rank hands the wire reduction)
@@ -31,7 +31,7 @@ from ragged_fsdp import GradientReduce
 from ragged_fsdp.dbuffer.planning import plan_layout
 from ragged_fsdp.quant.grad_wire import unit_elements, quantize, wire_blocks
 
-from .meta import run_meta
+from ragged_fsdp.bench.meta import run_meta
 
 MODELS = {
     "moe": ["--model", "moe", "--dim", "64", "--layers", "2", "--experts", "16", "--hidden", "64", "--seq-len", "32"],
@@ -66,7 +66,7 @@ def _trained(bench, args, world: int, steps: int):
 
 
 def measure_model(name: str, world: int, block_sizes: list[int], at_step: int = 0) -> dict:
-    from . import grad_wire as bench
+    import grad_wire as bench
 
     ap = bench._parser()
     args = ap.parse_args(MODELS[name])

@@ -1,7 +1,7 @@
-"""The peers page (docs/peers.md) rendered from the JSON ``ragged_fsdp.bench.peers`` writes.
+"""The peers page (docs/peers.md) rendered from the JSON ``benchmarks/peers.py`` writes.
 
 Pure functions of that JSON: re-running the bench and then this renderer updates the page, so no
-number on it is typed by hand. ``python -m ragged_fsdp.bench.peers --render docs/data/peers.json``
+number on it is typed by hand. ``python benchmarks/peers.py --render docs/data/peers.json``
 rewrites the page from a saved file without running anything.
 """
 

@@ -1,6 +1,6 @@
 """Report on the structure-aware optimizers, on the demo's reference LLaMA-style model.
 
-    python -m ragged_fsdp.bench.optim_report [--world 4] [--steps 300] [--out out/optim_report]
+    python benchmarks/optim_report.py [--world 4] [--steps 300] [--out out/optim_report]
 
 Part 1 (``--world`` gloo ranks, the model wrapped with ``fully_shard``):
 
@@ -24,7 +24,7 @@ final losses compared.
 Writes ``report.json`` and ``report.md`` under ``--out`` (``--json PATH`` moves the JSON) and
 prints the tables. Besides the nested results the JSON has flat ``rows`` (``rows.muon``,
 ``rows.adamw8bit``, ``rows.shampoo_steps``, ``rows.shampoo_ranks``, ``rows.shampoo``,
-``rows.loss``) that ``python -m ragged_fsdp.bench.render`` turns into the tables of
+``rows.loss``) that ``python benchmarks/render.py`` turns into the tables of
 ``docs/optimizers.md``.
 """
 
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from .meta import run_meta
+from ragged_fsdp.bench.meta import run_meta
 
 
 def _free_port() -> int:
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 
 def _train_cfg(args):
-    from ..train import TrainConfig
+    from ragged_fsdp.train import TrainConfig
 
     return replace(TrainConfig(), steps=args.steps)
 
@@ -107,8 +107,8 @@ def _worker(rank, world, port, args, queue):
 def _distributed_part(rank, world, args) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ..optim import AdamW8bit, Muon, combined_granularity, muon_param_groups, state_bytes
-    from ..train import build_model, shard
+    from ragged_fsdp.optim import AdamW8bit, Muon, combined_granularity, muon_param_groups, state_bytes
+    from ragged_fsdp.train import build_model, shard
 
     cfg = _train_cfg(args)
     mesh = init_device_mesh("cpu", (world,))
@@ -166,10 +166,10 @@ def _distributed_part(rank, world, args) -> dict:
 def _shampoo_part(wrapped, cfg, args, world, t_adamw, adamw_state) -> dict:
     """Shampoo with the demo's settings on the sharded model: step time with and without a
     root recomputation, eigh flops per rank, state bytes, tiles FSDP2's layout would cut."""
-    from ..optim import Shampoo, state_bytes
-    from ..optim.shampoo_blocks import tiles_cut, tiles_of
-    from ..placement.redistribute import chunk_ranges
-    from ..train import SHAMPOO_DEMO
+    from ragged_fsdp.optim import Shampoo, state_bytes
+    from ragged_fsdp.optim.shampoo_blocks import tiles_cut, tiles_of
+    from ragged_fsdp.placement.redistribute import chunk_ranges
+    from ragged_fsdp.train import SHAMPOO_DEMO
 
     B = SHAMPOO_DEMO["max_preconditioner_dim"]
     res = {"max_preconditioner_dim": B, "precondition_frequency": SHAMPOO_DEMO["precondition_frequency"]}
@@ -213,9 +213,9 @@ def _eval_loss(model, batches, n: int = 8) -> float:
 def _loss_run(args, name: str) -> tuple[list[float], float]:
     """The demo's recipe in one process with optimizer ``name``: per-step training losses
     and the final held-out loss."""
-    from ..data import Batches, load_tokens
-    from ..optim import AdamW8bit, Muon, Shampoo, muon_param_groups
-    from ..train import SHAMPOO_DEMO, build_model
+    from ragged_fsdp.data import Batches, load_tokens
+    from ragged_fsdp.optim import AdamW8bit, Muon, Shampoo, muon_param_groups
+    from ragged_fsdp.train import SHAMPOO_DEMO, build_model
 
     cfg = _train_cfg(args)
     model = build_model(cfg)
@@ -324,7 +324,7 @@ def _meta() -> dict:
 
 
 def flat_rows(report: dict) -> dict:
-    """The report as flat rows, one list (or one object) per table, for ``bench.render``."""
+    """The report as flat rows, one list (or one object) per table, for ``render.py``."""
     d = report["distributed"]
     rows: dict = {"muon": []}
     for label, m in d["muon"].items():

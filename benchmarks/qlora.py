@@ -1,7 +1,7 @@
 """QLoRA with NF4 base weights: ragged_fsdp against torch's FSDP2 on the same NF4 codes.
 
-    python -m ragged_fsdp.bench.qlora                      # W = 2 and 3, table + docs/data/qlora.json
-    python -m ragged_fsdp.bench.qlora --world 2 --json out.json
+    python benchmarks/qlora.py                      # W = 2 and 3, table + docs/data/qlora.json
+    python benchmarks/qlora.py --world 2 --json out.json
 
 One gloo launch per world size. The model is the LLaMA-style decoder with every attention
 and feed-forward linear a LoRA linear (rank 8, bf16 adapters, fp32 compute) over a frozen NF4
@@ -150,7 +150,7 @@ def _base_equal(model, ref) -> bool:
 
 
 def _blocks_whole(model) -> bool:
-    from ragged_fsdp.fsdp.compat.subclass_gather import SubclassUnit
+    from ragged_fsdp.fsdp.core.subclass_unit import SubclassUnit
 
     span = 64 * 256
     for b in model.layers:
@@ -256,14 +256,14 @@ def main(argv=None) -> int:
     try:
         import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
     except ImportError:
-        print("bench.qlora: needs torchao (its NF4Tensor is the weight both frameworks shard): "
+        print("qlora.py: needs torchao (its NF4Tensor is the weight both frameworks shard): "
               "pip install torch==<your torch> torchao==0.18.0", file=sys.stderr)
         return 2
     rows = [run(int(w)) for w in args.world.split(",")]
     print(render(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"command": "python -m ragged_fsdp.bench.qlora --world " + args.world,
+        Path(args.json).write_text(json.dumps({"command": "python benchmarks/qlora.py --world " + args.world,
                                                "steps": STEPS, "rows": rows}, indent=1) + "\n")
     return 0
 

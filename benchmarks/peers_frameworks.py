@@ -61,7 +61,7 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_fsdp(model, mesh, framework: str) -> Runner:
-    from .engine import make_optimizer, wrap
+    from ragged_fsdp.bench.engine import make_optimizer, wrap
 
     model = wrap(model, framework, mesh)
     opt = make_optimizer(model, framework)

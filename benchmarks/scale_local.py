@@ -13,7 +13,7 @@ import time
 
 from ragged_fsdp.checkpoint.local_layout import RunLayout, encode_runs
 
-from .scale_layout import ragged_plans, span_placement
+from scale_layout import ragged_plans, span_placement
 
 __all__ = ["meta_entries", "plan_local"]
 

@@ -20,7 +20,7 @@ figures are medians (per-round ratios against torch's foreach AdamW):
 Also per variant: the peak of tensor bytes allocated *during* one step (MemTracker peak minus
 what was live before), i.e. the step's temporaries.
 
-    python -m ragged_fsdp.bench.optim_step [--world 2] [--rounds 7] [--steps 3] [--models dense,moe,dense-1024]
+    python benchmarks/optim_step.py [--world 2] [--rounds 7] [--steps 3] [--models dense,moe,dense-1024]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -38,8 +39,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .engine import _free_port, build
-from .meta import run_meta
+from ragged_fsdp.bench.meta import run_meta
+from ragged_fsdp.models.workloads import build
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _variants(model, model8, mesh, sweep: bool):

@@ -1,4 +1,4 @@
-"""``bench.scale``'s rows -> one summary per (model, config, W), growth exponents, table, plot.
+"""``scale.py``'s rows -> one summary per (model, config, W), growth exponents, table, plot.
 
 Pure apart from the optional matplotlib import. An FSDP2 default-planner cell that was not
 run (too slow at that W) is filled from the power law fitted to the W that were, and marked
@@ -12,7 +12,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from .scale_layout import loglog_exponent
+from scale_layout import loglog_exponent
 
 __all__ = ["summarize", "table", "plot", "METRICS"]
 
@@ -224,16 +224,16 @@ def sim_table(summary: dict, meta: dict | None = None) -> dict:
                 continue
             m = cfg.setdefault(name, {"points": [], "exponent": exps.get((c["model"], c["config"], key))})
             m["points"].append([c["world"], c[key] * k])
-    return {"source": (meta or {}).get("command", "python -m ragged_fsdp.bench.scale"),
+    return {"source": (meta or {}).get("command", "python benchmarks/scale.py"),
             "date": (meta or {}).get("date"), "models": models}
 
 
 def main(argv=None) -> int:
-    """Re-render a bench.scale JSON: table, PNG and the simulator's host-cost table."""
+    """Re-render a scale.py JSON: table, PNG and the simulator's host-cost table."""
     import argparse
     import json
 
-    ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.bench.scale_report")
+    ap = argparse.ArgumentParser(prog="python benchmarks/scale_report.py")
     ap.add_argument("json", nargs="?", default="docs/data/scale.json")
     ap.add_argument("--png", default="docs/scale.png")
     ap.add_argument("--sim-out", default="src/ragged_fsdp/sim/data/host_costs.json")

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .scale_layout import Chunk
+from scale_layout import Chunk
 
 __all__ = ["save_plans", "coordinator_save", "load_plan_rank", "rss_bytes", "mapping_bytes"]
 

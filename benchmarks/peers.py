@@ -11,9 +11,9 @@ scan, so it sees tensors whatever holds them), and the bytes rank 0 sends in one
 (``comm_bytes``). A peer that is not installed is skipped with the pip line that installs it;
 one that is installed but raises is recorded with its error, verbatim, and its version.
 
-    python -m ragged_fsdp.bench.peers [--world 2,4] [--models dense,moe] [--out docs/data/peers.json]
-    python -m ragged_fsdp.bench.peers --quick --md ''      # tiny models, a smoke test
-    python -m ragged_fsdp.bench.peers --render docs/data/peers.json   # only rewrite docs/peers.md
+    python benchmarks/peers.py [--world 2,4] [--models dense,moe] [--out docs/data/peers.json]
+    python benchmarks/peers.py --quick --md ''      # tiny models, a smoke test
+    python benchmarks/peers.py --render docs/data/peers.json   # only rewrite docs/peers.md
 
 The peers install into a venv of their own (``deepspeed`` and ``megatron-fsdp`` each bring
 dependencies the library does not need): ``pip install torch==2.13.0`` first, then
@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .peers_frameworks import FRAMEWORKS, PEERS, availability, install_hint, reference_losses, setup
-from .peers_render import render_page, render_table
+from peers_frameworks import FRAMEWORKS, PEERS, availability, install_hint, reference_losses, setup
+from peers_render import render_page, render_table
 
 RTOL = 1e-4
 WORKLOADS = ("dense", "moe", "dense-1024")
@@ -64,7 +64,7 @@ class PeersConfig:
 
 def batch(kind: str, cfg: PeersConfig, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s batch at ``step``: the same on every framework, rebuilt by the reference."""
-    from .engine import BenchConfig, batch_shape
+    from ragged_fsdp.bench.engine import BenchConfig, batch_shape
 
     b, s = batch_shape(kind, BenchConfig(quick=cfg.quick))
     g = torch.Generator().manual_seed(7919 * step + 31 * rank + 1)
@@ -110,7 +110,7 @@ def _peak_bytes(runner, x, y) -> int:
 
 
 def _comm_bytes(runner, x, y) -> dict[str, int]:
-    from .comm_bytes import CommCounter
+    from ragged_fsdp.bench.comm_bytes import CommCounter
 
     with CommCounter() as c:
         runner.step(x, y)
@@ -130,7 +130,7 @@ def _short_error(exc: BaseException) -> str:
 def _rank_main(rank: int, world: int, cfg: PeersConfig, port: int, queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .engine import build
+    from ragged_fsdp.models.workloads import build
 
     # what torchrun sets (DeepSpeed asserts LOCAL_RANK is there); one host, so local = global
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -267,7 +267,7 @@ INTRO = """# ragged_fsdp beside DeepSpeed ZeRO-3 and Megatron-FSDP
 The frameworks the published FSDP results compare with, on the workloads of
 `python -m ragged_fsdp bench` (a small dense LLaMA and a MoE with fused experts, one FSDP unit
 per block), each in the same gloo launch on CPU. This page is rendered from
-[`data/peers.json`](data/peers.json) by `python -m ragged_fsdp.bench.peers --render
+[`data/peers.json`](data/peers.json) by `python benchmarks/peers.py --render
 docs/data/peers.json`; re-running the bench rewrites both.
 
 The peers are not dependencies of ragged_fsdp. To reproduce, install them into a separate
@@ -278,7 +278,7 @@ python3 -m venv .venv-peers
 .venv-peers/bin/pip install torch==2.13.0
 .venv-peers/bin/pip install torch==2.13.0 deepspeed megatron-fsdp
 .venv-peers/bin/pip install torch==2.13.0 -e .
-.venv-peers/bin/python -m ragged_fsdp.bench.peers --world 2 --models dense,moe
+.venv-peers/bin/python benchmarks/peers.py --world 2 --models dense,moe
 ```"""
 
 
@@ -324,7 +324,7 @@ def write(doc: dict, out: str | None, md: str | None) -> None:
 
 
 def _parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.bench.peers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/peers.py", description=__doc__.split("\n\n")[0])
     d = PeersConfig()
     ap.add_argument("--world", default=",".join(map(str, d.worlds)), help="world sizes, e.g. 2,4")
     ap.add_argument("--models", default=",".join(d.models), help=f"from {', '.join(WORKLOADS)}")
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                       check_steps=args.check_steps, rounds=args.rounds, steps=args.steps, quick=args.quick)
     if args.quick:
         cfg.rounds, cfg.steps, cfg.check_steps = 1, 1, 2
-    command = "python -m ragged_fsdp.bench.peers " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None
+    command = "python benchmarks/peers.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                         else argv))
     for fw in fws:
         if fw in PEERS and not availability(fw)[0]:

@@ -22,8 +22,8 @@ them is generated (a line with the run's conditions, then the table) and is rewr
   and ``a*2`` (a path times a number), and ``format`` one of FORMATS or a Python format spec
   (``.3f``). A path that does not exist renders ``-``.
 
-    python -m ragged_fsdp.bench.render docs/benchmarks.md [more pages]   # rewrite the tables
-    python -m ragged_fsdp.bench.render --check docs/*.md                 # exit 1 if one is stale
+    python benchmarks/render.py docs/benchmarks.md [more pages]   # rewrite the tables
+    python benchmarks/render.py --check docs/*.md                 # exit 1 if one is stale
 """
 
 from __future__ import annotations

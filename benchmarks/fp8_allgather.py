@@ -1,8 +1,8 @@
 """FP8 all-gather numbers: bytes gathered per step (net of the padding tiles cost), and the
 quantisation error of per-tile scales against one scale per tensor.
 
-    python -m ragged_fsdp.bench.fp8_allgather                       # catalog table + error table
-    python -m ragged_fsdp.bench.fp8_allgather --model llama3-70b --world 64,1024 --json out.json
+    python benchmarks/fp8_allgather.py                       # catalog table + error table
+    python benchmarks/fp8_allgather.py --model llama3-70b --world 64,1024 --json out.json
 
 Bytes: every FSDP group is laid out as the engine lays it out. With ``BlockFP8`` the
 eligible weights (>= 2 dims, at least one tile, not biases) get their own buffer with the
@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..models.catalog import get_model
-from ..planner.granularity import TensorSpec
-from ..planner.model import plan_model
-from ..planner.suggest import merge_groups, suggest
-from ..quant import BlockFP8, per_tensor_quantize_dequantize, quantize_dequantize
-from .meta import run_meta
+from ragged_fsdp.models.catalog import get_model
+from ragged_fsdp.planner.granularity import TensorSpec
+from ragged_fsdp.planner.model import plan_model
+from ragged_fsdp.planner.suggest import merge_groups, suggest
+from ragged_fsdp.quant import BlockFP8, per_tensor_quantize_dequantize, quantize_dequantize
+from ragged_fsdp.bench.meta import run_meta
 
 Groups = list[tuple[str, list[tuple[str, tuple[int, ...]]]]]
 MASTER_ITEMSIZE = 4
@@ -190,7 +190,7 @@ def error_table(weights: dict[str, torch.Tensor], policy: BlockFP8) -> dict:
 
 def demo_weights(seed: int = 0) -> dict[str, torch.Tensor]:
     """The demo model's initial weights (Gaussian, std 0.02)."""
-    from ..train import TrainConfig, build_model
+    from ragged_fsdp.train import TrainConfig, build_model
 
     cfg = TrainConfig(seed=seed)
     return {n: p.detach() for n, p in build_model(cfg).named_parameters()}
@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     policy = BlockFP8(tile=(int(tr), int(tc)))
     rows = []
     # the demo model (W = 2, what the gloo step time below measures), then the catalog
-    from ..train import TrainConfig, build_model
+    from ragged_fsdp.train import TrainConfig, build_model
 
     demo = build_model(TrainConfig())
     dgroups = module_groups(demo, [*demo.layers, demo])

@@ -1,6 +1,6 @@
 """Planner targets on the model catalog, and the heuristic against the exact optimum.
 
-    python -m ragged_fsdp.bench.planner_targets [--quick] [--instances N] [--out PATH]
+    python benchmarks/planner_targets.py [--quick] [--instances N] [--out PATH]
 
 For every catalog model (expert variants included) x W in 64..16384 x granularity it plans
 the whole model, validates every plan and records padding, the structural lower bound and
@@ -27,11 +27,11 @@ import os
 import random
 import time
 
-from ..models.catalog import get_model, list_models, model_specs
-from ..planner import TensorSpec, plan_group, solve_exact, validate_plan
-from ..planner.model import plan_model
-from ..planner.problem import Problem, earliest_start
-from .meta import run_meta
+from ragged_fsdp.models.catalog import get_model, list_models, model_specs
+from ragged_fsdp.planner import TensorSpec, plan_group, solve_exact, validate_plan
+from ragged_fsdp.planner.model import plan_model
+from ragged_fsdp.planner.problem import Problem, earliest_start
+from ragged_fsdp.bench.meta import run_meta
 
 WORLDS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 GRANULARITIES = ["element", "row", "rows:16", "rows:128", "block:256"]
@@ -181,7 +181,7 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.bench.planner_targets", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/planner_targets.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer models, world sizes and instances")
     ap.add_argument("--models", default=None, help="comma list of model ids (default: all, with variants)")
     ap.add_argument("--instances", type=int, default=1000, help="random small instances vs the exact solver")

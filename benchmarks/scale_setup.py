@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .scale_layout import Chunk, wrap_groups
+from scale_layout import Chunk, wrap_groups
 
 __all__ = ["fake_world", "meta_module", "shard_rank", "RankSetup", "local_plan_chunks", "warm_up"]
 

@@ -1,6 +1,6 @@
 """Padding that Shampoo's granularity costs on the catalog models (shapes only, no weights).
 
-    python -m ragged_fsdp.bench.shampoo_padding [--world 1024,8192] [--b 128,512,1024] [--out out/shampoo_padding]
+    python benchmarks/shampoo_padding.py [--world 1024,8192] [--b 128,512,1024] [--out out/shampoo_padding]
 
 For every catalog model (reference layouts and variants), world size and ``B``, each FSDP
 group (per transformer block, embedding, head) is planned with every tensor's granularity
@@ -21,11 +21,11 @@ import json
 import time
 from pathlib import Path
 
-from ..models.catalog import get_model, list_models
-from ..optim.shampoo_blocks import shampoo_specs
-from ..planner.model import plan_model
-from ..planner.suggest import suggest
-from .meta import run_meta
+from ragged_fsdp.models.catalog import get_model, list_models
+from ragged_fsdp.optim.shampoo_blocks import shampoo_specs
+from ragged_fsdp.planner.model import plan_model
+from ragged_fsdp.planner.suggest import suggest
+from ragged_fsdp.bench.meta import run_meta
 
 
 def largest_b(model_id: str, world: int, target: float, candidates=(1024, 512, 256, 128, 64, 32, 16, 8)):

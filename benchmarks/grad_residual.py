@@ -1,7 +1,7 @@
 """Error feedback's residual storage (``GradientReduce(residual_dtype=...)``) against fp32
 storage, in one process::
 
-    python -m ragged_fsdp.bench.grad_residual --world 4 --steps 300 --json docs/data/grad_residual_w4.json
+    python benchmarks/grad_residual.py --world 4 --steps 300 --json docs/data/grad_residual_w4.json
 
 Runs :func:`~ragged_fsdp.quant.grad_wire.reference_reduce` (the engine's block math, equal to
 the engine's collective bit for bit: tests/test_gradient_reduce.py) for ``--steps`` steps on
@@ -29,7 +29,7 @@ from ragged_fsdp.dbuffer.planning import plan_layout
 from ragged_fsdp.quant.grad_wire import DEFAULT_BLOCK, reference_reduce, wire_blocks
 from ragged_fsdp.quant.wire_residual import Residual
 
-from .meta import run_meta
+from ragged_fsdp.bench.meta import run_meta
 
 # the shrunk demo model (dim 64, 2 layers, FFN hidden 176, byte vocabulary 256): one block's
 # matrices and norms, the embedding and the head, default (row) granularity

@@ -1,4 +1,4 @@
-"""Host costs at 1,024-16,384 ranks, measured on one machine (``python -m ragged_fsdp.bench.scale``).
+"""Host costs at 1,024-16,384 ranks, measured on one machine (``python benchmarks/scale.py``).
 
 For each model (catalog shapes, meta device) and world size W, ragged_fsdp (row and 128-row
 granularity) against torch's FSDP2 on the same 1-D mesh:
@@ -41,8 +41,8 @@ import sys
 import time
 from pathlib import Path
 
-from .meta import run_meta
-from .scale_layout import (
+from ragged_fsdp.bench.meta import run_meta
+from scale_layout import (
     fsdp2_chunks, items_per_rank, loglog_exponent, ragged_chunks, ragged_plans, subset_model, wrap_groups,
 )
 
@@ -75,7 +75,7 @@ def _setup_worker(world: int, rank: int, models, configs, trace: bool) -> list[d
     import warnings
 
     warnings.filterwarnings("ignore")
-    from .scale_setup import shard_rank, warm_up
+    from scale_setup import shard_rank, warm_up
 
     warm_up()
     rows = []
@@ -130,7 +130,7 @@ def _chunks_for(groups, world, fw, gran, ranks=None):
 
 def _tensor_subset(groups, keep: int):
     """The first ``keep`` tensors (in group order), as groups."""
-    from .scale_layout import WrapGroup
+    from scale_layout import WrapGroup
 
     out, left = [], keep
     for wg in groups:
@@ -149,7 +149,7 @@ def _coordinator(groups, world, fw, gran, planner: str, total_items: int, cap: i
     from ragged_fsdp.checkpoint.scale_planner import ScaleSavePlanner
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from . import scale_dcp
+    import scale_dcp
 
     sub = groups if subset is None else subset
     n_tensors = sum(len(wg.names) for wg in sub)
@@ -178,7 +178,7 @@ def _coordinator(groups, world, fw, gran, planner: str, total_items: int, cap: i
 def run_planning(models, worlds, configs, load_to: int | None, cap: int = CAP_ITEMS,
                  default_planner_max_world: int = 4096) -> list[dict]:
     """Save (and load) planning rows: one per (model, config, W, planner)."""
-    from . import scale_local
+    import scale_local
 
     rows = []
     for model_id in models:
@@ -227,7 +227,7 @@ def run_planning(models, worlds, configs, load_to: int | None, cap: int = CAP_IT
 def _load_rows(groups, part, world, fw, gran, md, saved) -> dict:
     """Per sampled rank of ``world``: DCP's load planning against the saved metadata (of
     ``part``, a tensor prefix when the save was planned on one: scaled by tensors)."""
-    from . import scale_dcp
+    import scale_dcp
 
     factor = sum(len(wg.names) for wg in groups) / sum(len(wg.names) for wg in part)
     out = {"world": world, "ranks": {}, "scale": factor,
@@ -244,7 +244,7 @@ def _load_rows(groups, part, world, fw, gran, md, saved) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ragged_fsdp.bench.scale", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/scale.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--worlds", default=",".join(map(str, WORLDS)))
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
 
         setup += keep(old.get("setup", []), args.skip_setup)
         planning += keep(old.get("planning", []), args.skip_planning)
-    from .scale_report import plot, sim_table, summarize, table
+    from scale_report import plot, sim_table, summarize, table
 
     summary = summarize(setup, planning)
     if args.sim_out:

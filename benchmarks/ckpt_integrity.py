@@ -1,6 +1,6 @@
 """What the per-item CRC-32 costs: save and load with and without checksums.
 
-    python -m ragged_fsdp.bench.ckpt_integrity [--mib 256] [--tensors 64] [--repeats 5] [--json out.json]
+    python benchmarks/ckpt_integrity.py [--mib 256] [--tensors 64] [--repeats 5] [--json out.json]
 
 One process, no process group: a state dict of ``--tensors`` float32 tensors totalling
 ``--mib`` MiB is saved with ``dcp.FileSystemWriter`` and with ``ChecksummedWriter``, and read

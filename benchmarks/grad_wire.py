@@ -1,7 +1,7 @@
 """Gradient reduction in fewer bytes (``fully_shard(gradient_reduce=...)``) against fp32
 reduction and FSDP2's ``reduce_dtype=bf16``, side by side in one launch::
 
-    python -m ragged_fsdp.bench.grad_wire --model demo --world 4 --steps 300 --grad-error \\
+    python benchmarks/grad_wire.py --model demo --world 4 --steps 300 --grad-error \\
         --json docs/data/grad_wire_demo_w4.json --png out/grad_wire_demo_w4.png
 
 (``--world N`` starts ``N`` CPU ranks through torchrun; under torchrun, leave it out.)
@@ -337,7 +337,7 @@ def run(args) -> dict:
         r["last50_vs_fp32"] = _tail(r["losses"]) / _tail(base["losses"]) - 1.0
     cfg = {k: getattr(args, k) for k in ("model", "steps", "batch", "seq_len", "dim", "layers", "hidden", "experts",
                                          "seed")}
-    from .meta import run_meta
+    from ragged_fsdp.bench.meta import run_meta
 
     return {"meta": run_meta(), "world": world, "steps": args.steps, "config": cfg, "torch": torch.__version__,
             "rows": rows}
@@ -552,7 +552,7 @@ def main(argv=None) -> None:
         world = args.world or 2
         argv = list(sys.argv[1:] if argv is None else argv)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "ragged_fsdp.bench.grad_wire", *argv]
+               os.path.relpath(__file__), *argv]
         sys.exit(subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1")))
     dist.init_process_group("gloo")
     if args.world is not None and args.world != dist.get_world_size():

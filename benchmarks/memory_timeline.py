@@ -5,7 +5,7 @@ One training step per framework on W gloo ranks (rank 0 reports), after one warm
 optimizer state, activation, temporary, buffer); we snapshot it at labelled points and take
 its peak with the breakdown at the peak:
 
-    python -m ragged_fsdp.bench.memory_timeline [--world 2] [--models dense,moe,dense-wide,dense-1024]
+    python benchmarks/memory_timeline.py [--world 2] [--models dense,moe,dense-wide,dense-1024]
 
 Points: ``forward done`` (loss computed), ``loss grad`` (a hook on the logits' gradient: the
 loss's own backward has run, no parameter gradient yet), ``backward done``, ``step done``.
@@ -23,8 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from .engine import build, wrap
-from .meta import run_meta
+from ragged_fsdp.bench.engine import wrap
+from ragged_fsdp.models.workloads import build
+from ragged_fsdp.bench.meta import run_meta
 
 MiB = 2**20
 

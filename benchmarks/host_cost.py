@@ -1,8 +1,8 @@
 """Where the host time of a training step goes, hook by hook, for ragged_fsdp and FSDP2::
 
-    torchrun --nproc_per_node 2 -m ragged_fsdp.bench.host_cost --json out/host_cost_w2.json
-    torchrun --nproc_per_node 1 -m ragged_fsdp.bench.host_cost --optim native
-    torchrun --nproc_per_node 2 -m ragged_fsdp.bench.host_cost --model dense --optim native
+    torchrun --nproc_per_node 2 benchmarks/host_cost.py --json out/host_cost_w2.json
+    torchrun --nproc_per_node 1 benchmarks/host_cost.py --optim native
+    torchrun --nproc_per_node 2 benchmarks/host_cost.py --model dense --optim native
 
 A host-bound model (the ``deep`` workload: 48 Llama blocks of dim 64, vocab 512, batch 2 x 16,
 each block and the root wrapped) trains with both frameworks in one launch, alternating
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .engine import build
+from ragged_fsdp.models.workloads import build
 
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_backward", "optimizer", "compute")
 FRAMEWORKS = ("ragged_fsdp", "fsdp2")
@@ -280,30 +280,33 @@ def render(res: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> None:
-    from ragged_fsdp.cli._args import positive_int
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: must be at least 1")
+    return n
 
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--optim", choices=("torch", "native"), default="torch")
     ap.add_argument("--model", choices=("deep", "dense", "moe"), default="deep",
                     help="deep: the host-bound model above; dense, moe: the bench's workloads (batch 4 x 128)")
-    ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=_at_least_one, default=8)
+    ap.add_argument("--steps", type=_at_least_one, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    for flag in ("rounds", "steps"):
-        positive_int(f"--{flag}", getattr(args, flag))
     if "RANK" not in os.environ:
-        ap.error("run under torchrun, e.g. torchrun --nproc_per_node 2 -m ragged_fsdp.bench.host_cost")
+        ap.error("run under torchrun, e.g. torchrun --nproc_per_node 2 benchmarks/host_cost.py")
     dist.init_process_group("gloo")
     try:
         res = _run(args)
         if dist.get_rank() == 0:
             print(render(res))
             if args.json:
-                from .meta import run_meta
+                from ragged_fsdp.bench.meta import run_meta
 
-                res["meta"] = run_meta(f"torchrun --nproc_per_node {dist.get_world_size()} -m ragged_fsdp.bench.host_cost "
+                res["meta"] = run_meta(f"torchrun --nproc_per_node {dist.get_world_size()} benchmarks/host_cost.py "
                                        + " ".join(sys.argv[1:]))
                 os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
                 with open(args.json, "w") as f:
