@@ -76,6 +76,9 @@ DEFAULT_EPS = 1e-7
 # step's transient at or below torchtitan's DistMuon on the docs' benchmark model
 # (docs/optimizers.md, "Muon beside its peers"): a matrix larger than this is a wave alone.
 DEFAULT_WAVE_BYTES = 256 * 1024
+# Elements of the Nesterov blend computed at once (fp32: 64 KiB), so the blend's temporary
+# stays small beside a matrix's Newton-Schulz workspace.
+_BLEND_CHUNK = 16384
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 _ADJUST_FNS = (None, "original", "match_rms_adamw")
 
@@ -120,7 +123,11 @@ def _newton_schulz_(x, coefficients, steps: int, eps: float) -> torch.Tensor:
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        # each product dropped once used: never more than two m x m products and two
+        # iterates alive (x, poly, next x), one Gram less than torch's loop holds
+        del gram
         x = torch.addmm(x, poly, x, beta=a)
+        del poly
     return x.T if tall else x
 
 
@@ -521,7 +528,17 @@ class _WaveRun:
         _, p, _ = self.items[m.slot]
         g = local_of(p.grad).reshape(-1)[a - off: b - off]
         buf = local_of(self.opt.state[p]["momentum_buffer"]).view(-1)[a - off: b - off]
-        out.copy_(g.lerp(buf, self.group["momentum"]) if self.group["nesterov"] else buf)
+        if not self.group["nesterov"]:
+            out.copy_(buf)
+            return
+        # the blend in chunks from the piece's start: a whole-piece ``g.lerp(buf)`` is a
+        # full-precision copy of the piece (2x its bf16 bytes), the step's largest temporary
+        # before Newton-Schulz; a pointwise op gives the same bits on any slice, and chunks
+        # of _BLEND_CHUNK (a multiple of every SIMD width) keep the vector/tail split
+        momentum = self.group["momentum"]
+        for i in range(0, b - a, _BLEND_CHUNK):
+            j = min(i + _BLEND_CHUNK, b - a)
+            out[i:j].copy_(g[i:j].lerp(buf[i:j], momentum))
 
     def _apply(self, m, res: torch.Tensor) -> None:
         """Decoupled weight decay and the update on this rank's piece of ``m``."""
@@ -603,7 +620,7 @@ class _WaveRun:
             a, b = m.pieces[me]
             if b > a:
                 self._apply(m, tile_of(gs.offsets[me])[a - m.start: b - m.start])
-            del out
+            del out, tile_of  # the closure holds the result too
             self.opt.ns_calls += 1
             self.stats["ns_flops"] += m.flops
             self.stats["ns_matrices"] += 1
