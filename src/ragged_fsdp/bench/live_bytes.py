@@ -5,7 +5,7 @@ their sizes and where they were made.
 this mode counts every storage an operator creates inside the ``with`` block (a storage
 that an op only reads, writes in place or views is not new) until it is freed, and keeps
 the set that was alive at the largest total, each with the op and the innermost frames of
-the caller that made it. Storages that existed before the block are not counted, so
+the caller that made it. A storage resized to 0 in place counts as freed from the next op. Storages that existed before the block are not counted, so
 ``peak`` is the block's transient: what a step needs beyond what it was given.
 
     with LiveBytes() as lb:
@@ -46,6 +46,7 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.frames, self.keep = frames, keep
         self.live: dict[int, Alloc] = {}
+        self._refs: dict[int, weakref.ref] = {}
         self.current = 0
         self.peak = 0
         self.at_peak: list[Alloc] = []
@@ -60,12 +61,17 @@ class LiveBytes(TorchDispatchMode):
         return " < ".join(out)
 
     def _freed(self, key: int) -> None:
+        self._refs.pop(key, None)
         a = self.live.pop(key, None)
         if a is not None:
             self.current -= a.nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for k, ref in list(self._refs.items()):  # storages resized to 0 (freed in place)
+            st = ref()
+            if st is not None and st.nbytes() == 0:
+                self._freed(k)
         seen = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
@@ -78,6 +84,7 @@ class LiveBytes(TorchDispatchMode):
             self.live[k] = Alloc(st.nbytes(), str(func.overloadpacket.__name__), self._where())
             self.current += st.nbytes()
             weakref.finalize(st, self._freed, k)
+            self._refs[k] = weakref.ref(st)
             if self.current > self.peak:
                 self.peak = self.current
                 self.at_peak = list(self.live.values())

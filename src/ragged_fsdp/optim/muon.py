@@ -62,8 +62,8 @@ from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
 from .muon_plan import (
-    BLEND_CHUNK, DEFAULT_NS_STEPS, Batch, assign_owners, finish_wave, make_waves, matrices_of, newton_schulz_flops,
-    ns_floor_bytes, ns_workspace_bytes, schedule,
+    DEFAULT_NS_STEPS, Batch, assign_owners, auto_wave_bytes, blend_chunk, finish_wave, make_waves, matrices_of,
+    newton_schulz_flops, ns_floor_bytes, ns_workspace_bytes, schedule,
 )
 from .routing import check_finite, muon_granularity
 
@@ -72,10 +72,11 @@ __all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "ns_workspace_bytes",
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_EPS = 1e-7
-# Whole bf16 matrices moved and orthogonalised per wave (see muon_plan). 256 KiB keeps the
-# step's transient at or below torchtitan's DistMuon on the docs' benchmark model
-# (docs/optimizers.md, "Muon beside its peers"): a matrix larger than this is a wave alone.
-DEFAULT_WAVE_BYTES = 256 * 1024
+# Whole bf16 matrices moved and orthogonalised per wave (see muon_plan): "auto" is the
+# optimizer's largest whole bf16 matrix, which keeps the step's live bytes within one torch
+# Newton-Schulz of that matrix with its input (torchtitan's DistMuon's step transient;
+# docs/optimizers.md, "Muon beside its peers"). A matrix larger than the cap is a wave alone.
+DEFAULT_WAVE_BYTES = "auto"
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 _ADJUST_FNS = (None, "original", "match_rms_adamw")
 
@@ -205,11 +206,11 @@ class Muon(Optimizer):
         adamw_defaults: dict | None = None,
         wave_bytes: int | None = DEFAULT_WAVE_BYTES,
     ) -> None:
-        if wave_bytes is not None and (isinstance(wave_bytes, bool) or not isinstance(wave_bytes, numbers.Integral)
-                                       or wave_bytes < 1):
+        if wave_bytes is not None and wave_bytes != "auto" and (
+                isinstance(wave_bytes, bool) or not isinstance(wave_bytes, numbers.Integral) or wave_bytes < 1):
             raise ValueError(f"Muon: wave_bytes={wave_bytes!r} must be an integer >= 1 (bytes of whole bf16 "
-                             "matrices per wave) or None (one wave)")
-        self.wave_bytes = None if wave_bytes is None else int(wave_bytes)
+                             "matrices per wave), 'auto' (the largest matrix) or None (one wave)")
+        self.wave_bytes = wave_bytes if wave_bytes in (None, "auto") else int(wave_bytes)
         self._agreed: set = set()  # process groups whose ranks agreed on wave_bytes
         self._adamw_defaults = dict(ADAMW_DEFAULTS)
         if adamw_defaults:
@@ -390,8 +391,11 @@ class Muon(Optimizer):
                 b.matrices.extend(matrices_of(slot, lay, gs, group["ns_steps"], state_bytes))
             all_batches.append(list(by_group.values()))
         flat = [b for bs in all_batches for b in bs]
+        cap = self.wave_bytes
+        if cap == "auto":
+            cap = auto_wave_bytes([m for b in flat for m in b.matrices])
         for b in flat:
-            b.waves = make_waves(b.matrices, self.wave_bytes)
+            b.waves = make_waves(b.matrices, cap)
             if b.group is not None:
                 self._agree(b.group)
         owners = assign_owners(flat)
@@ -415,12 +419,13 @@ class Muon(Optimizer):
         """Every rank of ``group`` must cut the same waves (they run collectives per wave)."""
         if id(group) in self._agreed:
             return
-        v = -1 if self.wave_bytes is None else self.wave_bytes
+        v = {None: -1, "auto": -2}.get(self.wave_bytes, self.wave_bytes)
         t = torch.tensor([v, -v], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if int(t[0]) != v or int(-t[1]) != v:
-            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes}, others up to "
-                             f"{None if int(t[0]) == -1 else int(t[0])}); pass the same value on every rank")
+            other = {-1: None, -2: "auto"}.get(int(t[0]), int(t[0]))
+            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes!r}, others up to "
+                             f"{other!r}); pass the same value on every rank")
         self._agreed.add(id(group))
 
     def _muon_group(self, group, items, batches, stats):
@@ -540,10 +545,11 @@ class _WaveRun:
         # the blend in chunks from the piece's start: a whole-piece ``g.lerp(buf)`` is a
         # full-precision copy of the piece (2x its bf16 bytes), the step's largest temporary
         # before Newton-Schulz; a pointwise op gives the same bits on any slice, and chunks
-        # of BLEND_CHUNK (a multiple of every SIMD width) keep the vector/tail split
+        # of a multiple of 64 elements (of every SIMD width) keep the vector/tail split
         momentum = self.group["momentum"]
-        for i in range(0, b - a, BLEND_CHUNK):
-            j = min(i + BLEND_CHUNK, b - a)
+        step = blend_chunk(m.rows, m.cols)
+        for i in range(0, b - a, step):
+            j = min(i + step, b - a)
             out[i:j].copy_(g[i:j].lerp(buf[i:j], momentum))
 
     def _apply(self, m, res: torch.Tensor) -> None:
@@ -586,6 +592,7 @@ class _WaveRun:
             return None
         fwd[0].wait()
         recv = fwd[2]
+        _release(fwd[1])
         fwd.clear()
         return [recv]
 
@@ -627,6 +634,7 @@ class _WaveRun:
                 # the only matrix of the wave here: its pieces are assembled, so the received
                 # buffer goes before Newton-Schulz and the results get one made after it
                 n_recv = recv.numel()
+                _release(recv)
                 ret = recv = None
             # hand the input over: with no reference left here its storage is freed after
             # Newton-Schulz's first iteration, so the input and the last two iterates are
@@ -663,7 +671,7 @@ class _WaveRun:
         def comm(async_op, ret=ret, res=res, wave=wave):
             return _all_to_all(res, ret, wave.send_split, wave.recv_split, group, async_op)
 
-        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,)), res
+        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,), post=lambda: _release(ret)), res
 
     def _finish(self, wave, back) -> None:
         if back is None:
@@ -680,6 +688,7 @@ class _WaveRun:
                 if m.owner == d and n:
                     self._apply(m, res[o: o + n])
                     o += n
+        _release(res)
 
     def run(self) -> None:
         waves = self.batch.waves
@@ -698,14 +707,22 @@ class _WaveRun:
             if prev is not None:
                 self._finish(*prev)
                 prev = None
-            prev = (wave, back)
+            prev, back = (wave, back), None  # one reference: finishing it frees its buffers
             if not last and not wave.overlap_next:
                 self._finish(*prev)
                 prev = None
                 nxt = self._forward(waves[k + 1])
-            fwd = nxt
+            fwd, nxt = nxt, None
         if prev is not None:
             self._finish(*prev)
+
+
+def _release(t: torch.Tensor | None) -> None:
+    """Free a finished transfer buffer now: the collective's work object may hold a reference
+    a little longer (gloo drops it on its own thread after the wait returned), so dropping
+    ours would free the memory late and an overlapped Newton-Schulz could see it still live."""
+    if t is not None and t.device.type == "cpu":
+        t.untyped_storage().resize_(0)
 
 
 def _copy_flat(dst: torch.Tensor, mat: torch.Tensor, lo: int, hi: int) -> None:

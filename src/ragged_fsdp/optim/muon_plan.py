@@ -31,13 +31,20 @@ from ._gather import GatherSet
 from ._layout import Layout
 
 __all__ = ["Matrix", "Wave", "Batch", "newton_schulz_flops", "ns_workspace_bytes", "ns_hold_bytes", "ns_floor_bytes",
-           "matrices_of", "make_waves", "assign_owners", "finish_wave", "schedule", "DEFAULT_NS_STEPS", "BLEND_CHUNK"]
+           "matrices_of", "make_waves", "assign_owners", "finish_wave", "schedule", "DEFAULT_NS_STEPS", "BLEND_CHUNK",
+           "blend_chunk", "auto_wave_bytes"]
 
 DEFAULT_NS_STEPS = 5
 BF16 = 2
-# Elements of the Nesterov blend computed at once (its fp32 temporary: 16 KiB), so the blend
-# stays small beside a matrix's Newton-Schulz workspace. A multiple of every SIMD width.
+# Elements of the Nesterov blend computed at once (its fp32 temporary: at most 16 KiB, at
+# most a quarter of the matrix's bf16 bytes), so the blend stays small beside a matrix's
+# Newton-Schulz workspace. Multiples of 64: of every SIMD width.
 BLEND_CHUNK = 4096
+
+
+def blend_chunk(rows: int, cols: int) -> int:
+    """Elements of a ``rows x cols`` matrix's Nesterov blend computed at once."""
+    return max(64, min(BLEND_CHUNK, rows * cols // 512 * 64))
 # A rank whose Newton-Schulz flops are within this fraction of the mean of the least-loaded
 # rank's may take a matrix; among those, the one holding the least memory does.
 FLOPS_SLACK = 0.05
@@ -140,6 +147,13 @@ def matrices_of(slot: int, lay: Layout, gs: GatherSet, steps: int, state_bytes: 
         pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in runs)
         out.append(Matrix(slot, s, e, rows, cols, flops, pieces=pieces, gs=gs, state_bytes=state_bytes))
     return out
+
+
+def auto_wave_bytes(matrices) -> int:
+    """The default workspace: the largest whole bf16 matrix, so a wave is at most one largest
+    matrix and an owner's received pieces plus one Newton-Schulz fit in one torch
+    Newton-Schulz of the largest matrix (:func:`ns_floor_bytes`)."""
+    return max((m.whole_bytes for m in matrices), default=1)
 
 
 def make_waves(matrices: list[Matrix], wave_bytes: int | None) -> list[Wave]:
@@ -251,8 +265,8 @@ def _wave_rank_bytes(wave: Wave, world: int) -> tuple[list[int], list[int], list
             if n and r != o:
                 send[r] += BF16 * n
                 recv[o] += BF16 * n
-                blend[r] = max(blend[r], 4 * min(n, BLEND_CHUNK))
-        asm = BF16 * m.rows * m.cols + 4 * min(m.held(o), BLEND_CHUNK)
+                blend[r] = max(blend[r], 4 * min(n, blend_chunk(m.rows, m.cols)))
+        asm = BF16 * m.rows * m.cols + 4 * min(m.held(o), blend_chunk(m.rows, m.cols))
         ns[o] = max(ns[o], ns_hold_bytes(m.rows, m.cols), asm)
     # an owner of one matrix of the wave lets the received pieces go once they are assembled;
     # with several it keeps them (the results go back in their slots)
