@@ -173,9 +173,12 @@ class Muon(Optimizer):
         wave_bytes: the bounded step's workspace: matrices are moved to their owners and
             orthogonalised in waves of at most this many bytes of whole bf16 matrices (a
             larger matrix is a wave alone), the pieces of the next wave travelling while the
-            current one is orthogonalised (:mod:`.muon_plan`). Default 256 KiB; ``None``: one
-            wave (every local matrix in bf16 at once: the fewest collectives, the most memory).
-            Must be the same on every rank (checked). Results do not depend on it.
+            current one is orthogonalised where that fits (:func:`.muon_plan.schedule`).
+            Default ``"auto"``: the largest whole bf16 matrix of the optimizer, which keeps
+            every rank's step transient within one ``torch.optim.Muon`` Newton-Schulz of that
+            matrix with its input (torchtitan DistMuon's); ``None``: one wave (every local
+            matrix in bf16 at once: the fewest collectives, the most memory). Must be the same
+            on every rank (checked). Results do not depend on it.
 
     Valid ranges (a ValueError names the argument otherwise): ``lr``, ``weight_decay`` >= 0;
     ``0 <= momentum < 1``; ``eps > 0``; ``1 <= ns_steps < 100``; ``nesterov`` a bool;
