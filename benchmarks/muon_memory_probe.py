@@ -1,7 +1,7 @@
 """One process, no peers: MemTracker's transient (peak during the step minus live bytes after
 it) of ragged_fsdp's Muon step alone, its AdamW groups alone, torch's single-tensor AdamW on
-the same parameters, and one Newton-Schulz on the model's largest matrix (704 x 256) as the
-floor an owner cannot go below without changing torch's operations.
+the same parameters, and one Newton-Schulz on the model's largest matrix (704 x 256), ours and
+torch's (input, two Gram products, next iterate: what torchtitan's DistMuon holds).
 
     PYTHONPATH=src python benchmarks/muon_memory_probe.py
 """
@@ -37,9 +37,13 @@ def main() -> None:
         opt = make()
         opt.step()
         print(f"{name}: transient {transient(opt.step, m, opt):.2f} MiB")
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
     x = torch.randn(704, 256)
-    print(f"one Newton-Schulz on 704 x 256, input included: "
+    print(f"one Newton-Schulz on 704 x 256, input included, ragged_fsdp's (each Gram product dropped once used): "
           f"{transient(lambda: _newton_schulz_(x.bfloat16(), DEFAULT_NS_COEFFICIENTS, 5, 1e-7)):.2f} MiB")
+    print(f"one Newton-Schulz on 704 x 256, input included, torch.optim.Muon's (DistMuon's floor): "
+          f"{transient(lambda: _zeropower_via_newtonschulz(x, DEFAULT_NS_COEFFICIENTS, 5, 1e-7)):.2f} MiB")
 
 
 if __name__ == "__main__":

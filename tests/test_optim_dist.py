@@ -173,6 +173,31 @@ def case_muon_wave_order(rank, world):
     assert int(counts) == K
 
 
+def case_muon_step_live_bytes(rank, world):
+    """The bounded step's transient: the tensor bytes one Muon step creates and holds at once
+    (counted op by op by a dispatch mode, not timed) stay within one torch.optim.Muon
+    Newton-Schulz on the largest matrix with its bf16 input (input, two Gram products, next
+    iterate: what torchtitan's DistMuon holds) on every rank, for matrices cut anywhere and
+    kept whole, with the default workspace and with one matrix per wave; nothing is left."""
+    from ragged_fsdp.bench.live_bytes import LiveBytes
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(88, 32), (32, 88), (32, 32), (24, 40), (16, 16), (40, 24), (88, 32), (32, 32)]
+    layouts = [(s, RaggedShard((0, 1), _cuts(s[0] * s[1], world, 30 + i), 1) if i % 2 == 0 or world == 1
+                else RaggedShard((), _whole_on(world, i % world), 1)) for i, s in enumerate(shapes)]
+    bound = max(2 * (2 * r * c + 2 * min(r, c) ** 2) for r, c in shapes)  # bf16 bytes
+    for kw in ({}, {"wave_bytes": 1}):
+        ps = [rf.distribute_tensor(g, mesh, [pl], src_data_rank=None).requires_grad_()
+              for g, (_, pl) in zip(_grads(shapes, -1, seed=3), layouts)]
+        opt = Muon(ps, lr=0.02, **kw)
+        for step in range(2):
+            for p, g, (_, pl) in zip(ps, _grads(shapes, step), layouts):
+                p.grad = rf.distribute_tensor(g, mesh, [pl], src_data_rank=None)
+            with LiveBytes() as lb:
+                opt.step()
+        assert lb.peak <= bound and lb.current == 0, (kw, lb.peak, bound, lb.current, lb.report(1))
+
+
 def case_muon_wave_bytes_must_agree(rank, world):
     if world == 1:
         return

@@ -62,8 +62,8 @@ from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
 from .muon_plan import (
-    DEFAULT_NS_STEPS, Batch, assign_owners, finish_wave, make_waves, matrices_of, newton_schulz_flops,
-    ns_workspace_bytes,
+    DEFAULT_NS_STEPS, Batch, assign_owners, auto_wave_bytes, blend_chunk, finish_wave, make_waves, matrices_of,
+    newton_schulz_flops, ns_floor_bytes, ns_workspace_bytes, schedule,
 )
 from .routing import check_finite, muon_granularity
 
@@ -72,10 +72,11 @@ __all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "ns_workspace_bytes",
 
 DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 DEFAULT_EPS = 1e-7
-# Whole bf16 matrices moved and orthogonalised per wave (see muon_plan). 256 KiB keeps the
-# step's transient at or below torchtitan's DistMuon on the docs' benchmark model
-# (docs/optimizers.md, "Muon beside its peers"): a matrix larger than this is a wave alone.
-DEFAULT_WAVE_BYTES = 256 * 1024
+# Whole bf16 matrices moved and orthogonalised per wave (see muon_plan): "auto" is the
+# optimizer's largest whole bf16 matrix, which keeps the step's live bytes within one torch
+# Newton-Schulz of that matrix with its input (torchtitan's DistMuon's step transient;
+# docs/optimizers.md, "Muon beside its peers"). A matrix larger than the cap is a wave alone.
+DEFAULT_WAVE_BYTES = "auto"
 ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 _ADJUST_FNS = (None, "original", "match_rms_adamw")
 
@@ -120,7 +121,11 @@ def _newton_schulz_(x, coefficients, steps: int, eps: float) -> torch.Tensor:
     for _ in range(steps):
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        # each product dropped once used: never more than two m x m products and two
+        # iterates alive (x, poly, next x), one Gram less than torch's loop holds
+        del gram
         x = torch.addmm(x, poly, x, beta=a)
+        del poly
     return x.T if tall else x
 
 
@@ -168,9 +173,12 @@ class Muon(Optimizer):
         wave_bytes: the bounded step's workspace: matrices are moved to their owners and
             orthogonalised in waves of at most this many bytes of whole bf16 matrices (a
             larger matrix is a wave alone), the pieces of the next wave travelling while the
-            current one is orthogonalised (:mod:`.muon_plan`). Default 256 KiB; ``None``: one
-            wave (every local matrix in bf16 at once: the fewest collectives, the most memory).
-            Must be the same on every rank (checked). Results do not depend on it.
+            current one is orthogonalised where that fits (:func:`.muon_plan.schedule`).
+            Default ``"auto"``: the largest whole bf16 matrix of the optimizer, which keeps
+            every rank's step transient within one ``torch.optim.Muon`` Newton-Schulz of that
+            matrix with its input (torchtitan DistMuon's); ``None``: one wave (every local
+            matrix in bf16 at once: the fewest collectives, the most memory). Must be the same
+            on every rank (checked). Results do not depend on it.
 
     Valid ranges (a ValueError names the argument otherwise): ``lr``, ``weight_decay`` >= 0;
     ``0 <= momentum < 1``; ``eps > 0``; ``1 <= ns_steps < 100``; ``nesterov`` a bool;
@@ -201,11 +209,11 @@ class Muon(Optimizer):
         adamw_defaults: dict | None = None,
         wave_bytes: int | None = DEFAULT_WAVE_BYTES,
     ) -> None:
-        if wave_bytes is not None and (isinstance(wave_bytes, bool) or not isinstance(wave_bytes, numbers.Integral)
-                                       or wave_bytes < 1):
+        if wave_bytes is not None and wave_bytes != "auto" and (
+                isinstance(wave_bytes, bool) or not isinstance(wave_bytes, numbers.Integral) or wave_bytes < 1):
             raise ValueError(f"Muon: wave_bytes={wave_bytes!r} must be an integer >= 1 (bytes of whole bf16 "
-                             "matrices per wave) or None (one wave)")
-        self.wave_bytes = None if wave_bytes is None else int(wave_bytes)
+                             "matrices per wave), 'auto' (the largest matrix) or None (one wave)")
+        self.wave_bytes = wave_bytes if wave_bytes in (None, "auto") else int(wave_bytes)
         self._agreed: set = set()  # process groups whose ranks agreed on wave_bytes
         self._adamw_defaults = dict(ADAMW_DEFAULTS)
         if adamw_defaults:
@@ -386,8 +394,11 @@ class Muon(Optimizer):
                 b.matrices.extend(matrices_of(slot, lay, gs, group["ns_steps"], state_bytes))
             all_batches.append(list(by_group.values()))
         flat = [b for bs in all_batches for b in bs]
+        cap = self.wave_bytes
+        if cap == "auto":
+            cap = auto_wave_bytes([m for b in flat for m in b.matrices])
         for b in flat:
-            b.waves = make_waves(b.matrices, self.wave_bytes)
+            b.waves = make_waves(b.matrices, cap)
             if b.group is not None:
                 self._agree(b.group)
         owners = assign_owners(flat)
@@ -399,6 +410,11 @@ class Muon(Optimizer):
                 plan.bytes_recv += sent
                 plan.allgather_bytes_sent += ag
                 plan.waves += 1
+        if self.wave_bytes is not None:
+            # the bounded step stays within one torch Newton-Schulz on the largest matrix
+            budget = max((ns_floor_bytes(m.rows, m.cols) for b in flat for m in b.matrices), default=0)
+            for b in flat:
+                schedule(b, budget)
         self._plan_cache = (key, plan)
         return plan
 
@@ -406,12 +422,13 @@ class Muon(Optimizer):
         """Every rank of ``group`` must cut the same waves (they run collectives per wave)."""
         if id(group) in self._agreed:
             return
-        v = -1 if self.wave_bytes is None else self.wave_bytes
+        v = {None: -1, "auto": -2}.get(self.wave_bytes, self.wave_bytes)
         t = torch.tensor([v, -v], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         if int(t[0]) != v or int(-t[1]) != v:
-            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes}, others up to "
-                             f"{None if int(t[0]) == -1 else int(t[0])}); pass the same value on every rank")
+            other = {-1: None, -2: "auto"}.get(int(t[0]), int(t[0]))
+            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes!r}, others up to "
+                             f"{other!r}); pass the same value on every rank")
         self._agreed.add(id(group))
 
     def _muon_group(self, group, items, batches, stats):
@@ -495,12 +512,16 @@ class Muon(Optimizer):
 class _WaveRun:
     """One batch's step, wave by wave: the forward all-to-all of wave ``k + 1`` is launched
     before wave ``k`` is orthogonalised (on CUDA it runs on the device seam's ``"muon"`` lane,
-    a side stream), and wave ``k``'s results travel back while wave ``k + 1`` is orthogonalised.
+    a side stream), and wave ``k - 1``'s results travel back while wave ``k`` is
+    orthogonalised, each where the plan's :func:`~.muon_plan.schedule` found that it fits
+    in the step's budget (the same decision on every rank, so the collectives match).
 
-    Buffers: the forward sends ``send`` (this rank's pieces, by owner then matrix order) into
-    ``recv`` (the owner's pieces, by source then matrix order); the owner writes each result
-    into the ``recv`` slots its pieces came from, and the return trip sends ``recv`` back into
-    ``send``, whose layout is then the results of this rank's pieces. No other buffer."""
+    Buffers, each alive only while needed: the forward sends ``send`` (this rank's pieces, by
+    owner then matrix order) into ``recv`` (the owner's pieces, by source then matrix order);
+    ``send`` goes once the pieces landed. An owner of one matrix of the wave lets ``recv`` go
+    once the matrix is assembled and puts the results in a buffer made after Newton-Schulz;
+    an owner of several writes each result into the ``recv`` slots its pieces came from. The
+    return trip sends that buffer into ``res``, laid out like ``send`` was."""
 
     def __init__(self, opt: Muon, batch, items, group, stats):
         self.opt, self.batch, self.items, self.group, self.stats = opt, batch, items, group, stats
@@ -521,7 +542,18 @@ class _WaveRun:
         _, p, _ = self.items[m.slot]
         g = local_of(p.grad).reshape(-1)[a - off: b - off]
         buf = local_of(self.opt.state[p]["momentum_buffer"]).view(-1)[a - off: b - off]
-        out.copy_(g.lerp(buf, self.group["momentum"]) if self.group["nesterov"] else buf)
+        if not self.group["nesterov"]:
+            out.copy_(buf)
+            return
+        # the blend in chunks from the piece's start: a whole-piece ``g.lerp(buf)`` is a
+        # full-precision copy of the piece (2x its bf16 bytes), the step's largest temporary
+        # before Newton-Schulz; a pointwise op gives the same bits on any slice, and chunks
+        # of a multiple of 64 elements (of every SIMD width) keep the vector/tail split
+        momentum = self.group["momentum"]
+        step = blend_chunk(m.rows, m.cols)
+        for i in range(0, b - a, step):
+            j = min(i + step, b - a)
+            out[i:j].copy_(g[i:j].lerp(buf[i:j], momentum))
 
     def _apply(self, m, res: torch.Tensor) -> None:
         """Decoupled weight decay and the update on this rank's piece of ``m``."""
@@ -533,7 +565,7 @@ class _WaveRun:
         pl.add_(res, alpha=-adjust_lr(self.lr, self.group["adjust_lr_fn"], m.rows, m.cols))
 
     def _forward(self, wave):
-        """Launch the wave's pieces to their owners; ``(pending, send, recv)`` or None."""
+        """Launch the wave's pieces to their owners; ``[pending, send, recv]`` or None."""
         if not wave.needs_comm:
             return None
         me, world = self.me, self.batch.world
@@ -554,16 +586,29 @@ class _WaveRun:
         def comm(async_op, recv=recv, send=send, wave=wave):
             return _all_to_all(recv, send, wave.recv_split, wave.send_split, group, async_op)
 
-        return self.dev.launch("muon", comm, keep=(send, recv), out=(recv,)), send, recv
+        return [self.dev.launch("muon", comm, keep=(send, recv), out=(recv,)), send, recv]
 
-    def _orthogonalise(self, wave, fwd) -> None:
+    @staticmethod
+    def _arrived(fwd) -> list | None:
+        """Wait for a forward; its send buffer goes (the results come into a new one)."""
+        if fwd is None:
+            return None
+        fwd[0].wait()
+        recv = fwd[2]
+        _release(fwd[1])
+        fwd.clear()
+        return [recv]
+
+    def _orthogonalise(self, wave, held_recv) -> torch.Tensor | None:
+        """Newton-Schulz on the wave's matrices this rank owns; returns the buffer of results
+        to send back (laid out like ``recv``), or None without a collective."""
         me, world = self.me, self.batch.world
         coeffs, steps, eps = self.group["ns_coefficients"], self.group["ns_steps"], self.group["eps"]
-        recv = fwd[2] if fwd is not None else None
+        recv = held_recv.pop() if held_recv is not None else None
         recv_off = _offsets(wave.recv_split)
-        for m in wave.matrices:
-            if m.owner != me:
-                continue
+        owned = [m for m in wave.matrices if m.owner == me]
+        ret = recv
+        for m in owned:
             gs = m.gs
             size = m.end - m.start
             h, w = gs.tile
@@ -588,6 +633,12 @@ class _WaveRun:
                 for (r0, c0), t in tiles.items():
                     whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
                 tiles = None
+            if len(owned) == 1 and recv is not None:
+                # the only matrix of the wave here: its pieces are assembled, so the received
+                # buffer goes before Newton-Schulz and the results get one made after it
+                n_recv = recv.numel()
+                _release(recv)
+                ret = recv = None
             # hand the input over: with no reference left here its storage is freed after
             # Newton-Schulz's first iteration, so the input and the last two iterates are
             # never live at once (one matrix less at the step's peak; same operations)
@@ -596,34 +647,39 @@ class _WaveRun:
             out = _newton_schulz_(held, coeffs, steps, eps)
 
             def tile_of(o, out=out):
-                return out[o[0]: o[0] + h, o[1]: o[1] + w].reshape(-1) if gs.tiled else out.reshape(-1)
+                return out[o[0]: o[0] + h, o[1]: o[1] + w] if gs.tiled else out
 
-            for o, a, b, at in slots:  # results into the slots the pieces came from
-                recv[at: at + (b - a)] = tile_of(o)[a - m.start: b - m.start]
             a, b = m.pieces[me]
-            if b > a:
-                self._apply(m, tile_of(gs.offsets[me])[a - m.start: b - m.start])
-            del out
+            if b > a:  # before the results buffer exists: one matrix less at this moment
+                self._apply(m, tile_of(gs.offsets[me]).reshape(-1)[a - m.start: b - m.start])
+            if slots and ret is None:
+                ret = torch.empty(n_recv, dtype=torch.bfloat16, device=self.dev.device)
+            for o, a, b, at in slots:  # results into the slots the pieces came from
+                _copy_flat(ret[at: at + (b - a)], tile_of(o), a - m.start, b - m.start)
+            del out, tile_of  # the closure holds the result too
             self.opt.ns_calls += 1
             self.stats["ns_flops"] += m.flops
             self.stats["ns_matrices"] += 1
+        if ret is None and wave.needs_comm:  # nothing owned here that came from elsewhere
+            ret = torch.empty(sum(wave.recv_split), dtype=torch.bfloat16, device=self.dev.device)
+        return ret
 
-    def _back(self, wave, fwd):
-        """Launch the results back (``recv`` -> ``send``)."""
-        if fwd is None:
+    def _back(self, wave, ret):
+        """Launch the results back (``ret`` -> a new ``res``)."""
+        if not wave.needs_comm:
             return None
-        _, send, recv = fwd
+        res = ret.new_empty(sum(wave.send_split))
         group = self.batch.group
 
-        def comm(async_op, recv=recv, send=send, wave=wave):
-            return _all_to_all(send, recv, wave.send_split, wave.recv_split, group, async_op)
+        def comm(async_op, ret=ret, res=res, wave=wave):
+            return _all_to_all(res, ret, wave.send_split, wave.recv_split, group, async_op)
 
-        return self.dev.launch("muon", comm, keep=(send, recv), out=(send,)), send
+        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,), post=lambda: _release(ret)), res
 
     def _finish(self, wave, back) -> None:
         if back is None:
             return
-        pending, send = back
+        pending, res = back
         pending.wait()
         me, world = self.me, self.batch.world
         o = 0
@@ -633,24 +689,67 @@ class _WaveRun:
             for m in wave.matrices:
                 n = m.held(me)
                 if m.owner == d and n:
-                    self._apply(m, send[o: o + n])
+                    self._apply(m, res[o: o + n])
                     o += n
+        _release(res)
 
     def run(self) -> None:
         waves = self.batch.waves
         fwd = self._forward(waves[0])
-        back_prev = None
+        prev = None  # (wave, back) whose results are still travelling
         for k, wave in enumerate(waves):
-            nxt = self._forward(waves[k + 1]) if k + 1 < len(waves) else None
-            if fwd is not None:
-                fwd[0].wait()
-            self._orthogonalise(wave, fwd)
-            back = self._back(wave, fwd)
-            if back_prev is not None:
-                self._finish(*back_prev)
-            back_prev = (wave, back)
-            fwd = nxt
-        self._finish(*back_prev)
+            last = k + 1 == len(waves)
+            if prev is not None and not wave.overlap_prev:
+                self._finish(*prev)
+                prev = None
+            nxt = self._forward(waves[k + 1]) if not last and wave.overlap_next else None
+            ret = self._orthogonalise(wave, self._arrived(fwd))
+            fwd = None
+            back = self._back(wave, ret)
+            ret = None
+            if prev is not None:
+                self._finish(*prev)
+                prev = None
+            prev, back = (wave, back), None  # one reference: finishing it frees its buffers
+            if not last and not wave.overlap_next:
+                self._finish(*prev)
+                prev = None
+                nxt = self._forward(waves[k + 1])
+            fwd, nxt = nxt, None
+        if prev is not None:
+            self._finish(*prev)
+
+
+def _release(t: torch.Tensor | None) -> None:
+    """Free a finished transfer buffer now: the collective's work object may hold a reference
+    a little longer (gloo drops it on its own thread after the wait returned), so dropping
+    ours would free the memory late and an overlapped Newton-Schulz could see it still live."""
+    if t is not None and t.device.type == "cpu":
+        t.untyped_storage().resize_(0)
+
+
+def _copy_flat(dst: torch.Tensor, mat: torch.Tensor, lo: int, hi: int) -> None:
+    """``dst.copy_(mat.reshape(-1)[lo:hi])`` without the whole-matrix copy ``reshape`` makes
+    of a non-contiguous ``mat`` (a tall matrix's transposed result, a TP tile): the partial
+    first row, the whole rows, the partial last row."""
+    if mat.is_contiguous():
+        dst.copy_(mat.view(-1)[lo:hi])
+        return
+    cols = mat.size(1)
+    r0, c0 = divmod(lo, cols)
+    r1, c1 = divmod(hi, cols)
+    if r0 == r1:
+        dst.copy_(mat[r0, c0:c1])
+        return
+    o = 0
+    if c0:
+        dst[: cols - c0].copy_(mat[r0, c0:])
+        o, r0 = cols - c0, r0 + 1
+    if r1 > r0:
+        dst[o: o + (r1 - r0) * cols].view(r1 - r0, cols).copy_(mat[r0:r1])
+        o += (r1 - r0) * cols
+    if c1:
+        dst[o: o + c1].copy_(mat[r1, :c1])
 
 
 @dataclass

@@ -30,11 +30,21 @@ from dataclasses import dataclass, field
 from ._gather import GatherSet
 from ._layout import Layout
 
-__all__ = ["Matrix", "Wave", "Batch", "newton_schulz_flops", "ns_workspace_bytes", "matrices_of",
-           "make_waves", "assign_owners", "finish_wave", "DEFAULT_NS_STEPS"]
+__all__ = ["Matrix", "Wave", "Batch", "newton_schulz_flops", "ns_workspace_bytes", "ns_hold_bytes", "ns_floor_bytes",
+           "matrices_of", "make_waves", "assign_owners", "finish_wave", "schedule", "DEFAULT_NS_STEPS", "BLEND_CHUNK",
+           "blend_chunk", "auto_wave_bytes"]
 
 DEFAULT_NS_STEPS = 5
 BF16 = 2
+# Elements of the Nesterov blend computed at once (its fp32 temporary: at most 16 KiB, at
+# most a quarter of the matrix's bf16 bytes), so the blend stays small beside a matrix's
+# Newton-Schulz workspace. Multiples of 64: of every SIMD width.
+BLEND_CHUNK = 4096
+
+
+def blend_chunk(rows: int, cols: int) -> int:
+    """Elements of a ``rows x cols`` matrix's Nesterov blend computed at once."""
+    return max(64, min(BLEND_CHUNK, rows * cols // 512 * 64))
 # A rank whose Newton-Schulz flops are within this fraction of the mean of the least-loaded
 # rank's may take a matrix; among those, the one holding the least memory does.
 FLOPS_SLACK = 0.05
@@ -77,6 +87,23 @@ class Matrix:
         return b - a
 
 
+def ns_hold_bytes(rows: int, cols: int) -> int:
+    """Peak bytes of the optimizer's Newton-Schulz on a ``rows x cols`` bf16 input handed
+    over to it, the input included: the input (freed after the first iteration), the next
+    iterate and one ``m x m`` product (each Gram product is dropped once used). torch's loop
+    holds one ``m x m`` more: :func:`ns_floor_bytes`."""
+    m = min(rows, cols)
+    return BF16 * (2 * rows * cols + m * m)
+
+
+def ns_floor_bytes(rows: int, cols: int) -> int:
+    """One ``torch.optim.Muon`` Newton-Schulz on the matrix with its bf16 input: what an
+    implementation that orthogonalises whole matrices with torch's operations holds at least
+    (torchtitan's DistMuon's step transient on the docs' model). The bounded step keeps its
+    transient at or below this for the optimizer's largest matrix (:func:`schedule`)."""
+    return BF16 * rows * cols + ns_workspace_bytes(rows, cols)
+
+
 @dataclass
 class Wave:
     """Matrices moved and orthogonalised together; the same cut on every rank."""
@@ -85,6 +112,10 @@ class Wave:
     needs_comm: bool = False
     send_split: list = field(default_factory=list)  # elements this rank sends to each rank
     recv_split: list = field(default_factory=list)
+    # the same on every rank (:func:`schedule`): the next wave's pieces travel while this one
+    # is orthogonalised; the previous wave's results travel while this one is orthogonalised
+    overlap_next: bool = True
+    overlap_prev: bool = True
 
 
 @dataclass
@@ -116,6 +147,13 @@ def matrices_of(slot: int, lay: Layout, gs: GatherSet, steps: int, state_bytes: 
         pieces = tuple((max(s, a), min(e, b)) if min(e, b) > max(s, a) else (s, s) for a, b in runs)
         out.append(Matrix(slot, s, e, rows, cols, flops, pieces=pieces, gs=gs, state_bytes=state_bytes))
     return out
+
+
+def auto_wave_bytes(matrices) -> int:
+    """The default workspace: the largest whole bf16 matrix, so a wave is at most one largest
+    matrix and an owner's received pieces plus one Newton-Schulz fit in one torch
+    Newton-Schulz of the largest matrix (:func:`ns_floor_bytes`)."""
+    return max((m.whole_bytes for m in matrices), default=1)
 
 
 def make_waves(matrices: list[Matrix], wave_bytes: int | None) -> list[Wave]:
@@ -210,3 +248,70 @@ def finish_wave(wave: Wave, me: int, world: int, grouped: bool, elem_bytes: int 
     sent = (sum(send) + sum(recv)) * elem_bytes
     local_total = sum(m.held(me) for m in wave.matrices) if grouped else 0
     return sent, (world - 1) * local_total * elem_bytes
+
+
+def _wave_rank_bytes(wave: Wave, world: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per rank: bytes it sends (its pieces of others' matrices, later their results), bytes
+    it receives as owner, the bytes it holds while orthogonalising (the largest of its
+    matrices' Newton-Schulz hold and their assembly: the whole bf16 matrix and one blend
+    chunk), and its largest blend temporary while it fills its send buffer."""
+    send, recv, ns, blend = [0] * world, [0] * world, [0] * world, [0] * world
+    owned = [0] * world
+    for m in wave.matrices:
+        o = m.owner
+        owned[o] += 1
+        for r in range(world):
+            n = m.held(r)
+            if n and r != o:
+                send[r] += BF16 * n
+                recv[o] += BF16 * n
+                blend[r] = max(blend[r], 4 * min(n, blend_chunk(m.rows, m.cols)))
+        asm = BF16 * m.rows * m.cols + 4 * min(m.held(o), blend_chunk(m.rows, m.cols))
+        ns[o] = max(ns[o], ns_hold_bytes(m.rows, m.cols), asm)
+    # an owner of one matrix of the wave lets the received pieces go once they are assembled;
+    # with several it keeps them (the results go back in their slots)
+    hold = [ns[r] + (recv[r] if owned[r] > 1 else 0) for r in range(world)]
+    return send, recv, hold, blend
+
+
+def schedule(batch: Batch, budget: int) -> None:
+    """Decide, the same on every rank, which transfers overlap Newton-Schulz so that no rank's
+    live bytes during the step exceed ``budget`` where that can be kept: wave ``k + 1``'s
+    pieces are launched before wave ``k`` is orthogonalised (``overlap_next``) if every rank's
+    hold while orthogonalising wave ``k`` plus both waves' buffers fits, and wave ``k - 1``'s
+    results are received after it (``overlap_prev``) if that fits as well; otherwise the
+    transfer runs between the two orthogonalisations. Results do not depend on it."""
+    waves, world = batch.waves, batch.world
+    if batch.group is None:
+        return
+    per = [_wave_rank_bytes(w, world) for w in waves]
+
+    def fits(k: int, nxt: bool, prev: bool) -> bool:
+        send, recv, hold, _ = per[k]
+        for r in range(world):
+            extra = 0
+            if nxt:
+                s1, r1, _, b1 = per[k + 1]
+                extra += s1[r] + r1[r]
+                # the moment wave k + 1's send buffer is filled: wave k's buffers in flight
+                if send[r] + recv[r] + s1[r] + r1[r] + b1[r] + (_prev(k, r) if prev else 0) > budget:
+                    return False
+            if prev:
+                extra += _prev(k, r)
+            if hold[r] + extra > budget:
+                return False
+        return True
+
+    def _prev(k: int, r: int) -> int:
+        s0, r0, _, _ = per[k - 1]
+        return s0[r] + r0[r]
+
+    for k, w in enumerate(waves):
+        can_next = k + 1 < len(waves) and waves[k + 1].needs_comm
+        can_prev = k > 0 and waves[k - 1].needs_comm and waves[k - 1].overlap_next
+        for nxt, prev in ((True, True), (True, False), (False, True), (False, False)):
+            if (nxt and not can_next) or (prev and not can_prev):
+                continue
+            if fits(k, nxt, prev) or not (nxt or prev):
+                w.overlap_next, w.overlap_prev = nxt, prev
+                break

@@ -113,7 +113,6 @@ def muon_step(matrices: list[tuple[int, int]], world: int, profile, wave_bytes: 
 
 
 def main(argv=None) -> int:
-    from ragged_fsdp.optim.muon import DEFAULT_WAVE_BYTES
 
     from .arch import resolve_model
     from .profiles import get_profile
@@ -122,8 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama3-70b")
     ap.add_argument("--gpus", type=int, default=256)
     ap.add_argument("--profile", default="h100")
-    ap.add_argument("--wave-bytes", default=f"{DEFAULT_WAVE_BYTES},{2**30}",
-                    help="comma-separated wave sizes of the bounded step (default: Muon's default and 1 GiB)")
+    ap.add_argument("--wave-bytes", default=f"{2**18},{2**30}",
+                    help="comma-separated wave sizes of the bounded step (default: 256 KiB and 1 GiB)")
     a = ap.parse_args(argv)
     mats = matrices_of_arch(resolve_model(a.model))
     prof = get_profile(a.profile)
