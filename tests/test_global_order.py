@@ -1,7 +1,7 @@
 """``ragged_fsdp.global_order``: a training step whose result is the same bits at every
 data-parallel world size.
 
-One launch per W (1, 2, 3, 4; the W=4 launch also runs HSDP 2x2): a tiny Llama with tied
+One launch per W (1, 3, 4; the W=4 launch also runs HSDP 2x2): a tiny Llama with tied
 embeddings and odd shapes, V = 12 micro-batches per step, 5 steps with
 ``deterministic.clip_grad_norm_``, for torch AdamW (foreach and single-tensor), AdamW8bit,
 Muon (Shampoo: 2 steps). Every launch writes the full parameters, optimizer states, norms and logged losses;
@@ -227,7 +227,12 @@ def outdir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("global_order"))
 
 
-@pytest.mark.parametrize("world", [4, 1, 2, 3])  # W=4 first: it writes the checkpoint the others load
+# W=4 first: it writes the checkpoint the others load. W=2 is left out for the suite's time: W=3
+# (uneven cuts, a rank count that divides nothing) and W=4 (HSDP 2x2) cover what it would.
+WORLDS = (1, 3, 4)
+
+
+@pytest.mark.parametrize("world", [4, 1, 3])
 def test_launch(outdir, world, monkeypatch):
     monkeypatch.setenv(ENV, outdir)
     results = run_cases(world, CASES)
@@ -290,7 +295,7 @@ def _load(outdir, tag):
 @pytest.mark.parametrize("name", OPTS)
 def test_bitwise_across_world_sizes(outdir, name):
     base = _load(outdir, f"{name}_w1")
-    for w in (2, 3, 4):
+    for w in WORLDS[1:]:
         _same(_load(outdir, f"{name}_w{w}"), base, f"{name}: W={w} vs W=1")
     ref = _reference(name)
     if ref is not None:
@@ -302,7 +307,7 @@ def test_hsdp_equals_1d(outdir):
     _same(_load(outdir, "hsdp_2x2"), _load(outdir, "adamw_w1"), "HSDP 2x2 vs W=1")
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
 def test_checkpoint_replay(outdir, world):
     _same(_load(outdir, f"replay_w{world}"), _load(outdir, "replay_w4"), f"W=4 save, W={world} continuation")
 
