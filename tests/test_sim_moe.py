@@ -15,7 +15,8 @@ import pytest
 from ragged_fsdp.models.catalog import get_model
 from ragged_fsdp.sim import validate
 from ragged_fsdp.sim.arch import arch_from_shapes
-from ragged_fsdp.sim.compute import Linear, _is_routed, group_flops, linear_times
+from ragged_fsdp.sim import fitted
+from ragged_fsdp.sim.compute import GroupFlops, Linear, _is_routed, compute_times, group_flops, grouped_mxfp8_speedup, linear_times
 from ragged_fsdp.sim.hf_config import hf_to_catalog
 from ragged_fsdp.sim.layout import split_for_mesh
 from ragged_fsdp.sim.mesh import parse_mesh
@@ -53,7 +54,7 @@ def test_validation_matches_record_and_targets(rows):
     assert statistics.median(mem) <= 0.10
     new = [abs(r["tokens_per_s_error"]) for r in val if r["gpu"] in ("b200", "gb200") or r["gpus"] == 32
            and r["gpu"] == "h100"]
-    assert len(new) == 16 and statistics.median(new) <= 0.20  # measured 17.2%: the MoE points miss (docs)
+    assert len(new) == 16 and statistics.median(new) <= 0.20  # measured 18.7%: the MoE points miss (docs)
 
 
 def _expert_flops_on_rank(model, ep, imbalance, tokens=4096.0):
@@ -132,6 +133,30 @@ def test_gemm_rate_by_shape():
     small = Linear("x", 64, 4096, 4096, 1, False, False, False)
     per_flop = [linear_times(lin, prof, Recipe())[0] / lin.flops for lin in (big, small)]
     assert per_flop[1] > 1.5 * per_flop[0]  # the 64-row GEMM reaches well under half the large one's rate
+
+
+def test_grouped_mxfp8_gain_from_torchao_microbenchmark():
+    # torchao's grouped-GEMM table (B200, forward + backward, casts included), medians over
+    # G = 1, 2, 4, 8 worked out by hand: DeepSeek-V3 (1.321 + 1.440) / 2, Scout (1.690 + 1.700) / 2
+    assert math.isclose(grouped_mxfp8_speedup(2048, 7168), 1.3805)
+    assert math.isclose(grouped_mxfp8_speedup(8192, 5120), 1.695)
+    assert grouped_mxfp8_speedup(768, 2048) == grouped_mxfp8_speedup(2048, 7168)  # clamped, not extrapolated
+    assert grouped_mxfp8_speedup(16384, 16384) == grouped_mxfp8_speedup(8192, 5120)
+    mid = grouped_mxfp8_speedup(4096, 7168)
+    assert 1.3805 < mid < 1.695
+    # a routed expert's GEMM under MXFP8 runs at the table's gain, a dense linear at the fitted one,
+    # and the routed one carries no separate cast time (the table's times include the casts)
+    prof = PROFILES["b200"]
+    bf16, mx = Recipe(), Recipe(compile=True, float8="mxfp8")
+    routed = Linear("layers.0.moe.experts.w1", 65536, 5120, 8192, 4, True, False, False)
+    dense = Linear("layers.0.attention.wq", 65536, 5120, 8192, 1, True, False, False)
+    for lin, gain in ((routed, 1.695), (dense, fitted.FLOAT8_SPEEDUP["mxfp8"])):
+        t16, t8 = linear_times(lin, prof, bf16)[0], linear_times(lin, prof, mx)[0]
+        assert math.isclose(t16 / t8, gain, rel_tol=1e-9)
+    gf = GroupFlops(0.0, 0.0, 0.0, linears=[routed])
+    f16, b16 = compute_times(gf, prof, bf16, "none", 1)
+    f8, b8 = compute_times(gf, prof, mx, "none", 1)
+    assert math.isclose((f16 + b16) / (f8 + b8), 1.695, rel_tol=1e-9)
 
 
 def test_block_scaled_recipes():

@@ -43,7 +43,7 @@ from .options import Recipe
 from .gemm import saturation, shape_factor
 from .profiles import GPUProfile
 
-__all__ = ["GroupFlops", "Linear", "group_flops", "attention_rate", "low_precision_speedup", "op_sac", "compute_times", "is_fp8_linear", "is_rowwise",
+__all__ = ["GroupFlops", "Linear", "group_flops", "attention_rate", "low_precision_speedup", "grouped_mxfp8_speedup", "op_sac", "compute_times", "is_fp8_linear", "is_rowwise",
            "ELEMENTWISE_EAGER", "ELEMENTWISE_COMPILED", "linear_times", "op_sac_split",
            "tp_feed"]
 
@@ -236,6 +236,33 @@ def low_precision_speedup(recipe: str) -> float:
 
 NVFP4_OVER_MXFP8 = 2.0
 
+# MXFP8 on routed experts is torchao's own grouped-GEMM autograd function (it quantises
+# inside), so its gain over bf16 ``torch._grouped_mm`` is taken from torchao's microbenchmark
+# of that function, casts included, not from the dense fit: pytorch/ao
+# ``torchao/prototype/moe_training/README.md`` at 36027d82, "Autograd function" tables, B200
+# at 1,000 W, forward + backward, total M = 128,000, median over G = 1, 2, 4, 8 groups.
+# Keyed by the expert weight's smaller dim (N, K): DeepSeek-V3's (2048, 7168) 1.188 / 1.321 /
+# 1.595 / 1.440 -> 1.3805; Llama 4 Scout's (8192, 5120) 1.808 / 1.690 / 1.637 / 1.700 ->
+# 1.695. Between them log-linear in that dim; outside them the nearest (not extrapolated:
+# no published point for thinner experts such as Qwen3-30B-A3B's 768).
+GROUPED_MXFP8_SPEEDUP = ((2048, 1.3805), (5120, 1.695))
+
+
+def grouped_mxfp8_speedup(n: float, k: float) -> float:
+    """MXFP8 over bf16 for one routed expert's grouped GEMMs (casts included), by shape."""
+    (d0, g0), (d1, g1) = GROUPED_MXFP8_SPEEDUP
+    d = min(n, k)
+    if d <= d0:
+        return g0
+    if d >= d1:
+        return g1
+    return g0 + (g1 - g0) * math.log(d / d0) / math.log(d1 / d0)
+
+
+def _grouped_mx(lin: "Linear", recipe: Recipe) -> bool:
+    """True where the grouped-GEMM table above prices this linear (casts and all)."""
+    return recipe.float8 == "mxfp8" and lin.fp8 and _is_routed(lin.name)
+
 
 def attention_rate(prof: GPUProfile, seq: int, cp: int = 1, fp32: bool = False) -> float:
     """Flash attention's flop/s: the GEMMs' large-shape rate x ``ATTENTION_RATE`` (fitted) x
@@ -250,7 +277,9 @@ def linear_times(lin: Linear, prof: GPUProfile, recipe: Recipe, fp32: bool = Fal
     rate = ((prof.fp32_flops or prof.flops) if fp32 and prof.fp32_flops else prof.flops) * prof.efficiency
     bw, cb = prof.mem_bw, 4 if fp32 else 2
     f8 = bool(recipe.float8) and lin.fp8
-    r = rate * (low_precision_speedup(recipe.float8) if f8 else 1.0)
+    gain = (grouped_mxfp8_speedup(lin.n, lin.k) if _grouped_mx(lin, recipe)
+            else low_precision_speedup(recipe.float8) if f8 else 1.0)
+    r = rate * gain
     a = (0.5 if recipe.float8 == "nvfp4" else 1) if f8 else cb
     m, k, n, c, fl = lin.m, lin.k, lin.n, lin.count, lin.flops
     return (_gemm(fl, c * (m * k * a + k * n * a + m * n * cb), r * shape_factor(m, n, k), bw),
@@ -272,12 +301,13 @@ def compute_times(gf: GroupFlops, prof: GPUProfile, recipe: Recipe, act_ckpt: st
         fwd, dgrad, wgrad = linear_times(lin, prof, recipe, fp32)
         mm_f += fwd
         mm_b += dgrad + wgrad
-        if f8:
+        casts = f8 and not _grouped_mx(lin, recipe)  # the grouped table's gain has its casts in
+        if casts:
             cf, cbk = _fp8_cast_bytes(lin, recipe.float8, tp, recipe.float8_allgather)
             cast_f, cast_b = cast_f + cf / bw, cast_b + cbk / bw
         if lin.op_rerun:
             mm_rerun += fwd
-            cast_rerun += (_fp8_cast_bytes(lin, recipe.float8, tp, recipe.float8_allgather)[0] / bw) if f8 else 0.0
+            cast_rerun += (_fp8_cast_bytes(lin, recipe.float8, tp, recipe.float8_allgather)[0] / bw) if casts else 0.0
     table = ELEMENTWISE_EAGER
     ew_bytes = sum(table[kind] * elems for kind, elems in gf.ew_fwd.items()) * cb / 2
     ew_f = ew_bytes / bw / (fitted.COMPILE_SPEEDUP if recipe.compile else 1.0)

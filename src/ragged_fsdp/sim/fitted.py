@@ -10,7 +10,9 @@ What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, 
   torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s); B200: torchtitan
   mxfp8.md, Llama 3 8B on 8 power-limited B200, bf16 (8,307.5 tok/s). H200 and MI300X borrow
   H100's, GB200 B200's. Large GEMMs only: smaller shapes lose to :mod:`.gemm`'s saturation.
-- ``FLOAT8_SPEEDUP["mxfp8"]``: the same B200 table's ``mxfp8_cublas`` row (9,969 tok/s).
+- ``FLOAT8_SPEEDUP["mxfp8"]``: the same B200 table's ``mxfp8_cublas`` row (9,969 tok/s);
+  it prices dense linears. Routed experts' grouped GEMMs take torchao's microbenchmarked
+  gain instead (:func:`.compute.grouped_mxfp8_speedup`, not fitted).
 - ``A2A_EFFICIENCY["standard"]``: torchtitan's default EP all-to-all, achieved over link
   bandwidth (:mod:`.moe`), on the DeepEP README's default-EP figure (Qwen3-30B-A3B, 8 B200,
   EP 8, 9,930 tok/s).
