@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 .PHONY: demo test docs test-torch214 test-torch215 bench bench-torch215 plan clean gpu-check
 
 # A second torch: a representative subset of the suite (placement, engine numerics and patterns,
-# the private torch calls of fsdp/core/torch_private.py,
+# the private torch calls of fsdp/torch_private.py,
 # checkpoints, optimizers) on torch 2.14.1, in a venv of its own. Its wheel lies on local disk (a
 # CUDA build; it runs on the CPU); only pytest and hypothesis come with it. CI runs the same subset
 # on torch 2.15.0 instead (test-torch215, below); this target stays for a manual check.

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 # Inside ragged_fsdp/fsdp/, lowest first.
 FSDP_LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("private", ("torch_private",)),  # every private torch call of the engine, one function each
     ("tracing", ("tracing",)),  # the public record of a step: every layer above records into it
     ("comms", ("comms",)),  # the device seam, the collectives and the user's comm-hook records
     ("compat", ("compat",)),  # torch FSDP2's contracts, typed by protocols: nothing of core imported

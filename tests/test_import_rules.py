@@ -159,11 +159,15 @@ def test_imports_point_down_the_declared_layers():
 
 
 def test_the_layer_rule_can_fail():
-    """A core module imported from comms, and the engine imported from the planner, are caught
-    (function-level imports are in GRAPH like the others: ast sees every import statement)."""
+    """A core module imported from comms, the trace imported from the private-torch seam, and
+    the engine imported from the planner, are caught (function-level imports are in GRAPH like
+    the others: ast sees every import statement)."""
     fake = {"ragged_fsdp.fsdp.comms.device": ({"ragged_fsdp.fsdp.core.unit"}, set()),
+            "ragged_fsdp.fsdp.torch_private": ({"ragged_fsdp.fsdp.tracing"}, set()),
             "ragged_fsdp.planner.plan": ({"ragged_fsdp.fsdp.api"}, set()),
-            "ragged_fsdp.fsdp.core.unit": ({"ragged_fsdp.fsdp.comms.device", "ragged_fsdp.placement"}, set())}
+            "ragged_fsdp.fsdp.core.unit": ({"ragged_fsdp.fsdp.comms.device", "ragged_fsdp.fsdp.torch_private",
+                                            "ragged_fsdp.placement"}, set())}
     assert _upward(fake) == [("ragged_fsdp.fsdp.comms.device", "ragged_fsdp.fsdp.core.unit"),
+                             ("ragged_fsdp.fsdp.torch_private", "ragged_fsdp.fsdp.tracing"),
                              ("ragged_fsdp.planner.plan", "ragged_fsdp.fsdp.api")]
-    assert [n for n, _ in FSDP_LAYERS][:2] == ["tracing", "comms"] and LAYERS[0][0] == "pure"
+    assert [n for n, _ in FSDP_LAYERS][:3] == ["private", "tracing", "comms"] and LAYERS[0][0] == "pure"

@@ -1,12 +1,15 @@
-"""What the saved-tensor watch relies on from torch's private calls, pinned on every torch CI runs.
+"""What the engine relies on from torch's private calls, pinned on every torch CI runs.
 
-``ragged_fsdp.fsdp.core.torch_private`` is the one place the engine reaches torch's private
-saved-tensor hook stack and reference counts (``fsdp/core/backward.py``'s watch uses them to
-free the root's embedding buffer after forward, free its norm + head at their early
-reduction, and keep the watch off while a wrapped block runs forward). The first tests
-check each function's contract in this process; the distributed cases (gloo, W = 2, one
-launch) check what the engine gets from them. A failure names the seam function and the
-behaviour that changed.
+``ragged_fsdp.fsdp.torch_private`` is the one place the engine reaches torch's private API:
+the saved-tensor hook stack and reference counts (``fsdp/core/backward.py``'s watch uses them
+to free the root's embedding buffer after forward, free its norm + head at their early
+reduction, and keep the watch off while a wrapped block runs forward; ``fsdp/comms/custom.py``
+counts a custom comm's tensor's references before adopting its memory), the version counter
+the collectives put back after writing into the parameters' memory, and whether autograd runs
+a backward (activation-checkpoint recomputation, the trace's ``backward`` flag). The first
+tests check each function's contract in this process, through the seam function alone; the
+distributed cases (gloo, W = 2, one launch) check what the watch gets from them. A failure
+names the seam function and the behaviour that changed.
 """
 
 from __future__ import annotations
@@ -21,15 +24,20 @@ from torch.utils.checkpoint import checkpoint
 from _dist import check_case, run_cases
 from _patterns import _ce, _tiny, _wrap_blocks, compare_steps
 
-from ragged_fsdp.fsdp.core import torch_private as tp
+from ragged_fsdp.fsdp import torch_private as tp
 from ragged_fsdp.models.llama import Llama
 
-SEAM = "ragged_fsdp.fsdp.core.torch_private"
+SEAM = "ragged_fsdp.fsdp.torch_private"
+
+
+_USERS = {"set_version_counter": "the collectives in fsdp/comms/ rely",
+          "graph_task_id": "fsdp/core/ and fsdp/tracing.py rely (through in_backward)",
+          "in_backward": "fsdp/core/ and fsdp/tracing.py rely"}
 
 
 def _broke(fn: str, what: str) -> str:
-    return (f"{SEAM}.{fn} on torch {torch.__version__}: {what}. The saved-tensor watch in "
-            f"fsdp/core/backward.py relies on it; adapt {fn} to this torch.")
+    users = _USERS.get(fn, "the saved-tensor watch in fsdp/core/backward.py relies")
+    return f"{SEAM}.{fn} on torch {torch.__version__}: {what}. {users} on it; adapt {fn} to this torch."
 
 
 class _Pair:
@@ -122,6 +130,107 @@ def test_use_counts_grow_while_autograd_saves():
     del y
     assert tp.tensor_use_count(q) == q0 and tp.tensor_use_count(p) == p0, _broke(
         "tensor_use_count", "did not fall back once the graph was freed")
+
+
+def test_storage_use_count_same_for_any_sole_tensor():
+    """``fsdp/comms/custom.py`` adopts a custom comm's tensor's memory only when its count is
+    that of a fresh tensor one local holds: the same for every such tensor, higher with a view."""
+    a, b = torch.empty(1), torch.empty(7)
+    n = tp.storage_use_count(a)
+    assert tp.storage_use_count(b) == n, _broke(
+        "storage_use_count", f"two tensors held alike count {n} and {tp.storage_use_count(b)}")
+    v = b[1:]
+    assert tp.storage_use_count(b) > n, _broke("storage_use_count", "did not grow when a view of the storage exists")
+    del v
+    assert tp.storage_use_count(b) == n, _broke("storage_use_count", "did not fall back when the view went")
+
+
+def _gathered_into(restore: bool):
+    """An unsharded buffer whose view autograd saved, written in place under no_grad (what a
+    collective does); with ``restore``, its version counter is put back through the seam."""
+    out = torch.zeros(6)
+    w = out[:3]  # a parameter: a view of the unsharded buffer
+    x = torch.randn(3, requires_grad=True)
+    v = out._version
+    y = (x * w).sum()  # mul saves w
+    with torch.no_grad():
+        out.copy_(torch.arange(6.0))
+    assert out._version > v  # the write moved the counter (else this test checks nothing)
+    if restore:
+        tp.set_version_counter((out,), (v,))
+        assert out._version == v and w._version == v, _broke(
+            "set_version_counter", f"versions (buffer, view) = {(out._version, w._version)}, expected ({v}, {v})")
+    return x, y, out
+
+
+def test_set_version_counter_hides_the_write_from_autograd():
+    x, y, out = _gathered_into(restore=True)
+    try:
+        y.backward()
+    except RuntimeError as e:
+        raise AssertionError(_broke("set_version_counter", f"autograd still saw the in-place write: {e}")) from e
+    assert torch.equal(x.grad, out[:3]), _broke(
+        "set_version_counter", "backward did not read the values written into the buffer")
+    _, y, _ = _gathered_into(restore=False)  # the control: without the restore autograd refuses
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_graph_task_id_outside_and_inside_backward():
+    assert tp.graph_task_id() == -1, _broke("graph_task_id", f"{tp.graph_task_id()} outside backward, not -1")
+    assert tp.in_backward() is False, _broke("in_backward", "True outside backward")
+    seen = {}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            seen["forward"] = (tp.graph_task_id(), tp.in_backward())
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen["node"] = (tp.graph_task_id(), tp.in_backward())
+            return g
+
+    def hook(g):
+        seen["hook"] = (tp.graph_task_id(), tp.in_backward())
+
+    x = torch.ones(2, requires_grad=True)
+    h = Probe.apply(x * 2)
+    h.register_hook(hook)
+    h.sum().backward()
+    assert seen["forward"] == (-1, False), _broke("graph_task_id", f"{seen['forward']} in forward")
+    for where in ("hook", "node"):
+        gid, inside = seen[where]
+        assert gid != -1, _broke("graph_task_id", f"-1 inside a backward {where}")
+        assert inside is True, _broke("in_backward", f"False inside a backward {where}")
+    assert tp.graph_task_id() == -1, _broke("graph_task_id", "not -1 again after backward")
+
+
+def test_in_backward_during_checkpoint_recomputation():
+    """Non-reentrant activation checkpointing runs the forward again inside backward: the
+    engine's forward hooks tell it from the first run by ``in_backward``."""
+    runs = []
+
+    def block(t):
+        runs.append(tp.in_backward())
+        return t.sin() * 2
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert runs == [False, True], _broke("in_backward", f"(first run, recomputation) saw {runs}, expected [False, True]")
+
+
+@pytest.mark.parametrize("fn, owner, name, args", [
+    ("set_version_counter", "torch._C._autograd", "_unsafe_set_version_counter", lambda: ((torch.zeros(1),), (0,))),
+    ("graph_task_id", "torch._C", "_current_graph_task_id", lambda: ()),
+    ("in_backward", "torch._C", "_current_graph_task_id", lambda: ()),
+    ("storage_use_count", "torch._C", "_storage_Use_Count", lambda: (torch.zeros(1),)),
+])
+def test_missing_private_call_is_named(monkeypatch, fn, owner, name, args):
+    monkeypatch.delattr(f"{owner}.{name}")
+    with pytest.raises(tp.TorchPrivateMissing, match=rf"torch_private\.{fn if fn != 'in_backward' else 'graph_task_id'}: .*{name}"):
+        getattr(tp, fn)(*args())
 
 
 def test_missing_private_call_is_named_and_the_watch_stays_off(monkeypatch):

@@ -18,7 +18,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
+from .torch_private import in_backward
 
 __all__ = ["Event", "Trace", "trace", "record", "active"]
 
@@ -81,7 +81,7 @@ def record(kind: str, unit, nbytes: int, early: bool = False, sent: int | None =
         return
     group = unit.group_name()
     ev = Event(kind, f"{group}#{unit.index}", group, unit.index, int(nbytes),
-               torch._C._current_graph_task_id() != -1, early, tuple(i.fqn for i in unit.infos),
+               in_backward(), early, tuple(i.fqn for i in unit.infos),
                None if sent is None else int(sent))
     for t in _open:
         t.events.append(ev)

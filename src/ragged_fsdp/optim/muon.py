@@ -588,14 +588,13 @@ class _WaveRun:
 
         return [self.dev.launch("muon", comm, keep=(send, recv), out=(recv,)), send, recv]
 
-    @staticmethod
-    def _arrived(fwd) -> list | None:
+    def _arrived(self, fwd) -> list | None:
         """Wait for a forward; its send buffer goes (the results come into a new one)."""
         if fwd is None:
             return None
         fwd[0].wait()
         recv = fwd[2]
-        _release(fwd[1])
+        self.dev.release(fwd[1])  # now, not when gloo drops its reference: Newton-Schulz follows
         fwd.clear()
         return [recv]
 
@@ -637,7 +636,7 @@ class _WaveRun:
                 # the only matrix of the wave here: its pieces are assembled, so the received
                 # buffer goes before Newton-Schulz and the results get one made after it
                 n_recv = recv.numel()
-                _release(recv)
+                self.dev.release(recv)
                 ret = recv = None
             # hand the input over: with no reference left here its storage is freed after
             # Newton-Schulz's first iteration, so the input and the last two iterates are
@@ -674,7 +673,7 @@ class _WaveRun:
         def comm(async_op, ret=ret, res=res, wave=wave):
             return _all_to_all(res, ret, wave.send_split, wave.recv_split, group, async_op)
 
-        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,), post=lambda: _release(ret)), res
+        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,), post=lambda: self.dev.release(ret)), res
 
     def _finish(self, wave, back) -> None:
         if back is None:
@@ -691,7 +690,7 @@ class _WaveRun:
                 if m.owner == d and n:
                     self._apply(m, res[o: o + n])
                     o += n
-        _release(res)
+        self.dev.release(res)
 
     def run(self) -> None:
         waves = self.batch.waves
@@ -718,14 +717,6 @@ class _WaveRun:
             fwd, nxt = nxt, None
         if prev is not None:
             self._finish(*prev)
-
-
-def _release(t: torch.Tensor | None) -> None:
-    """Free a finished transfer buffer now: the collective's work object may hold a reference
-    a little longer (gloo drops it on its own thread after the wait returned), so dropping
-    ours would free the memory late and an overlapped Newton-Schulz could see it still live."""
-    if t is not None and t.device.type == "cpu":
-        t.untyped_storage().resize_(0)
 
 
 def _copy_flat(dst: torch.Tensor, mat: torch.Tensor, lo: int, hi: int) -> None:

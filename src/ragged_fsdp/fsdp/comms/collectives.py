@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from ragged_fsdp.dbuffer import DBuffer
 
+from ..torch_private import set_version_counter
+
 from .custom import adopt_memory, checked_alloc, checked_work
 from .device import AllWork, Device, Pending
 from .landing import land
@@ -60,7 +62,7 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
             return _all_gather_single(out, src, group=comm.group, async_op=async_op)
 
     def restore_version():
-        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+        set_version_counter((out,), (version,))
 
     src = (buf.staged if buf.host_sharded else buf.sharded) if inp is None else inp
     return device.launch(lane, issue, post=restore_version, keep=(out, src), out=(out,), after=after)
@@ -103,7 +105,7 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
         if staging is not None:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(staging)
-        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+        set_version_counter((out,), (version,))
 
     shard = buf.staged if buf.host_sharded else buf.sharded
     keep = (out, shard if inp is None else inp) + (() if staging is None else (staging,))

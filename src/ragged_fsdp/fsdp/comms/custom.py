@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..torch_private import TorchPrivateMissing, storage_use_count
+
 __all__ = ["CommHooks", "HOOK_LANE", "checked_alloc", "checked_work", "adopt_memory", "run_all_reduce_hook"]
 
 
@@ -79,7 +81,7 @@ _swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
 
 def _refs(flat, t) -> tuple[int, int]:
-    return sys.getrefcount(t), torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return sys.getrefcount(t), storage_use_count(t)
 
 
 def _probe(flat, t) -> tuple[int, int]:  # the same call depth as adopt_memory's check
@@ -91,7 +93,10 @@ def _baseline() -> tuple[int, int]:
     return _probe(None, t)
 
 
-_SOLE = _baseline()  # (references, storage uses) of a tensor only its caller holds
+try:
+    _SOLE = _baseline()  # (references, storage uses) of a tensor only its caller holds
+except TorchPrivateMissing:  # no storage count on this torch: never adopt (gather into the comm's tensor, copy out)
+    _SOLE = None
 
 
 def adopt_memory(flat: torch.Tensor, t: torch.Tensor) -> bool:
@@ -100,7 +105,7 @@ def adopt_memory(flat: torch.Tensor, t: torch.Tensor) -> bool:
     so the collective writes straight into them. Only when nothing else holds ``t`` or its
     storage and it starts at its storage's first byte: a comm that hands out a persistent
     buffer of its own keeps it, and the caller gathers into it and copies out."""
-    if _swap is None or t.storage_offset() != 0 or _refs(flat, t) != _SOLE:
+    if _swap is None or _SOLE is None or t.storage_offset() != 0 or _refs(flat, t) != _SOLE:
         return False
     _swap(flat.untyped_storage(), t.untyped_storage())
     return True

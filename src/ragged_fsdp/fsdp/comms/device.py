@@ -34,6 +34,10 @@ that event. No ``record_stream``: the tensors in ``keep`` stay referenced until 
 the caching allocator cannot hand their memory to someone else while the lane still uses it,
 and after the wait their frees are ordered on the compute stream.
 
+A buffer whose transfer is done and that nothing will read again goes back with
+``device.release(t)``. CPU: its storage is freed in place (gloo's work object may hold a
+reference a little after the wait returned). CUDA: nothing more than dropping the reference.
+
 Host copies (offload, :mod:`..offload.staging`): ``device.copy(lane, dst, src)`` copies between host
 and device memory on its own lane (``"h2d"``, ``"d2h"``) and returns a :class:`Pending`. CPU:
 the copy runs at once. CUDA: a non-blocking copy on the lane's stream (pinned host memory
@@ -174,6 +178,15 @@ class Device:
 
         return self.launch(lane, issue, keep=(dst, src), out=(dst,))
 
+    def release(self, t: torch.Tensor | None) -> None:
+        """``t`` is a buffer whose transfer is done (its :class:`Pending` was waited for) and
+        that nothing will read again: let its memory go now. gloo's work object may keep a
+        reference a little after the wait returned (it drops it on its own thread), so
+        dropping ours would free the memory late; the storage is freed in place instead (a
+        host buffer only). ``t`` is unusable afterwards; None is ignored."""
+        if t is not None and t.device.type == "cpu":
+            t.untyped_storage().resize_(0)
+
 
 class CudaDevice(Device):
     """CUDA / NCCL: one side stream per lane, events instead of ``record_stream``."""
@@ -239,6 +252,12 @@ class CudaDevice(Device):
         # both stay referenced until the wait: the caching allocators (device and pinned host)
         # cannot reuse their memory while the copy may still run
         return Pending(event=event, keep=(dst, src), host=dst.device.type == "cpu")
+
+    def release(self, t: torch.Tensor | None) -> None:
+        """Nothing beyond dropping the caller's reference: the caching allocator frees the
+        memory in the order of the stream the launch recorded, so it is reused only after the
+        lane is done with it. Resizing the storage here would be wrong: a NCCL stream may
+        still read it."""
 
 
 def device_for(device: torch.device) -> Device:

@@ -18,6 +18,7 @@ from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.planner.granularity import Granularity
 from ragged_fsdp.quant import BlockFP8, ScaleLayout, dequantize_pieces, quantize_pieces
 
+from ..torch_private import set_version_counter
 from .collectives import Comm
 from .device import AllWork, Device, Pending
 
@@ -108,7 +109,7 @@ def quant_all_gather(device: Device, comm: Comm, buf: DBuffer) -> Pending:
                     out.narrow(0, s.offset, s.numel).view(n, rows, C),
                 )
                 at += k
-        torch._C._autograd._unsafe_set_version_counter((out,), (version,))
+        set_version_counter((out,), (version,))
 
     return device.launch("all_gather", issue, post=post, keep=(out, codes, scales, buf.sharded),
                          out=(out, codes, scales))

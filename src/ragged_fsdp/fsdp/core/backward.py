@@ -55,10 +55,10 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
+from ..torch_private import (TorchPrivateMissing, in_backward, pop_saved_tensors_hooks, push_saved_tensors_hooks,
+                             saved_tensors_hooks_top, storage_use_count, tensor_use_count)
 from .common import TrainingState
-from .hooks import attach_post_backward, eager, in_backward
-from .torch_private import (TorchPrivateMissing, pop_saved_tensors_hooks, push_saved_tensors_hooks,
-                            saved_tensors_hooks_top, storage_use_count, tensor_use_count)
+from .hooks import attach_post_backward, eager
 from .unit import Unit
 
 __all__ = ["ForwardRecord", "BackwardRecord", "BackwardNeeds", "Group", "PausedWatch", "SavedWatch",
@@ -97,7 +97,7 @@ class SavedWatch:
 
 
 def _top():
-    # torch's private calls live in torch_private.py; without the stack's top the watch
+    # torch's private calls live in fsdp/torch_private.py; without the stack's top the watch
     # cannot know whose hooks are on, and reads as someone else's: no watch, nothing skipped
     try:
         return saved_tensors_hooks_top()
@@ -146,7 +146,7 @@ def stop_watch(w: SavedWatch | None) -> None:
 # collective's work object, dropped after its wait, can release its references from gloo's
 # thread at any time (seen on the first block's forward), and reading that would make the
 # decision depend on timing, where every rank must take the same one.
-# The hook stack and the counts are torch internals, reached only through torch_private.py,
+# The hook stack and the counts are torch internals, reached only through fsdp/torch_private.py,
 # which tests/test_torch_private.py pins on every torch the CI runs.
 @dataclass
 class PausedWatch:

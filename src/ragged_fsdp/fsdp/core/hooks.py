@@ -15,12 +15,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["PostBackward", "in_backward", "grad_tensors", "attach_post_backward", "eager"]
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs (activation-checkpoint recomputation)."""
-    return torch._C._current_graph_task_id() != -1
+__all__ = ["PostBackward", "grad_tensors", "attach_post_backward", "eager"]
 
 
 def eager(fn):

@@ -27,9 +27,10 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_map
 
+from ..torch_private import in_backward
 from .common import TrainingState
 from .hooks import eager as _eager
-from .hooks import grad_tensors, in_backward
+from .hooks import grad_tensors
 from .param_group import ParamGroup
 from .reduction import Reductions
 
