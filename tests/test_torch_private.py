@@ -221,14 +221,49 @@ def test_in_backward_during_checkpoint_recomputation():
     assert runs == [False, True], _broke("in_backward", f"(first run, recomputation) saw {runs}, expected [False, True]")
 
 
+def test_preserve_version_counter_keeps_the_version_through_writes():
+    x = torch.ones(4, requires_grad=True)
+    buf = torch.zeros(4)
+    w = buf[:2]
+    y = (x[:2] * w).sum()  # autograd saves the view w
+    v = buf._version
+    with torch.no_grad(), tp.preserve_version_counter(buf):
+        buf.copy_(torch.arange(4.0))  # the collective's write
+        buf.add_(1)
+    assert buf._version == v and w._version == v, _broke(
+        "preserve_version_counter", f"versions (buffer, view) = {(buf._version, w._version)}, expected ({v}, {v})")
+    y.backward()
+    assert torch.equal(x.grad[:2], torch.tensor([1.0, 2.0])), _broke(
+        "preserve_version_counter", "backward did not read the values written inside the block")
+
+
+def test_swap_storage_exchanges_memory_and_keeps_views():
+    assert tp.has_swap_storage(), _broke("swap_storage", "torch.UntypedStorage._swap_data_ptr_ is gone")
+    a, b = torch.zeros(6), torch.arange(6.0)
+    view_a = a[2:5]  # made before the swap, as the unsharded parameters are views of the flat buffer
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    tp.swap_storage(sa, sb)
+    assert torch.equal(a, torch.arange(6.0)) and torch.equal(b, torch.zeros(6)), _broke(
+        "swap_storage", f"after the swap a = {a.tolist()}, b = {b.tolist()}")
+    assert torch.equal(view_a, torch.tensor([2.0, 3.0, 4.0])), _broke(
+        "swap_storage", f"a view made before the swap reads {view_a.tolist()}, not b's old values")
+    assert a.untyped_storage()._cdata == sa._cdata, _broke("swap_storage", "a's storage changed identity")
+
+
 @pytest.mark.parametrize("fn, owner, name, args", [
     ("set_version_counter", "torch._C._autograd", "_unsafe_set_version_counter", lambda: ((torch.zeros(1),), (0,))),
     ("graph_task_id", "torch._C", "_current_graph_task_id", lambda: ()),
     ("in_backward", "torch._C", "_current_graph_task_id", lambda: ()),
     ("storage_use_count", "torch._C", "_storage_Use_Count", lambda: (torch.zeros(1),)),
+    ("preserve_version_counter", "torch.autograd", "_unsafe_preserve_version_counter", lambda: (torch.zeros(1),)),
+    ("swap_storage", "torch.UntypedStorage", "_swap_data_ptr_",
+     lambda: (torch.zeros(1).untyped_storage(), torch.zeros(1).untyped_storage())),
 ])
 def test_missing_private_call_is_named(monkeypatch, fn, owner, name, args):
-    monkeypatch.delattr(f"{owner}.{name}")
+    try:
+        monkeypatch.delattr(f"{owner}.{name}")
+    except AttributeError:  # defined on a C base class (UntypedStorage's methods): shadow it with None
+        monkeypatch.setattr(f"{owner}.{name}", None)
     with pytest.raises(tp.TorchPrivateMissing, match=rf"torch_private\.{fn if fn != 'in_backward' else 'graph_task_id'}: .*{name}"):
         getattr(tp, fn)(*args())
 

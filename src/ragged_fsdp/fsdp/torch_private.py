@@ -33,7 +33,7 @@ import torch
 
 __all__ = ["TorchPrivateMissing", "saved_tensors_hooks_top", "push_saved_tensors_hooks",
            "pop_saved_tensors_hooks", "storage_use_count", "tensor_use_count", "set_version_counter",
-           "graph_task_id", "in_backward"]
+           "graph_task_id", "in_backward", "preserve_version_counter", "swap_storage", "has_swap_storage"]
 
 Pack = Callable[[torch.Tensor], Any]
 Unpack = Callable[[Any], torch.Tensor]
@@ -144,3 +144,32 @@ def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (activation-
     checkpoint recomputation, hooks in backward): ``graph_task_id() != -1``."""
     return graph_task_id() != -1
+
+
+def preserve_version_counter(t: torch.Tensor):
+    """A context manager under which in-place writes into ``t`` leave its version counter
+    where it was on entry.
+
+    Calls ``torch.autograd._unsafe_preserve_version_counter(t)``. Relied on: after the
+    ``with`` block ``t._version`` equals its value at entry whatever was written into ``t``
+    inside (the all-gather writing the unsharded parameters when it is issued), so autograd
+    does not see the collective as an in-place change of a tensor it saved."""
+    return _private(torch.autograd, "_unsafe_preserve_version_counter", "preserve_version_counter",
+                    "the collectives cannot hide their writes from autograd")(t)
+
+
+def has_swap_storage() -> bool:
+    """Whether this torch can exchange two storages' memory (:func:`swap_storage`)."""
+    return getattr(torch.UntypedStorage, "_swap_data_ptr_", None) is not None
+
+
+def swap_storage(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
+    """Exchange the memory of two storages of the same size in place.
+
+    Calls ``torch.UntypedStorage._swap_data_ptr_(a, b)``. Relied on: afterwards every tensor
+    viewing ``a`` reads what ``b`` held and the reverse, with no copy, and each storage keeps
+    its own identity (views made of ``a`` before the swap are still views of ``a``). A custom
+    all-gather's own tensor becomes the memory the unsharded parameters view
+    (``fsdp/comms/custom.py``); callers check :func:`has_swap_storage` first."""
+    _private(torch.UntypedStorage, "_swap_data_ptr_", "swap_storage",
+             "a custom all-gather's memory is never adopted (gathered into the comm's tensor and copied out)")(a, b)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from ..torch_private import set_version_counter
+from ..torch_private import preserve_version_counter, set_version_counter
 
 from .custom import adopt_memory, checked_alloc, checked_work
 from .device import AllWork, Device, Pending
@@ -55,7 +55,7 @@ def all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tensor | Non
     version = out._version
 
     def issue(async_op: bool):
-        with torch.autograd._unsafe_preserve_version_counter(out):
+        with preserve_version_counter(out):
             src = buf.gather_input() if inp is None else inp
             if comm.world_size == 1:
                 return None
@@ -87,7 +87,7 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
     version = out._version
 
     def issue(async_op: bool):
-        with torch.autograd._unsafe_preserve_version_counter(out):
+        with preserve_version_counter(out):
             shard = buf.staged if buf.host_sharded else buf.sharded  # staged: offloaded params
             if inp is not None:
                 src = inp
@@ -103,7 +103,7 @@ def _custom_all_gather(device: Device, comm: Comm, buf: DBuffer, inp: torch.Tens
 
     def finish():
         if staging is not None:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+            with torch.no_grad(), preserve_version_counter(out):
                 out.copy_(staging)
         set_version_counter((out,), (version,))
 

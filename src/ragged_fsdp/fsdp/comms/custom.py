@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..torch_private import TorchPrivateMissing, storage_use_count
+from ..torch_private import TorchPrivateMissing, has_swap_storage, storage_use_count, swap_storage
 
 __all__ = ["CommHooks", "HOOK_LANE", "checked_alloc", "checked_work", "adopt_memory", "run_all_reduce_hook"]
 
@@ -77,9 +77,6 @@ def checked_alloc(comm, method: str, n: int, dtype: torch.dtype, device: torch.d
     return t
 
 
-_swap = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
-
-
 def _refs(flat, t) -> tuple[int, int]:
     return sys.getrefcount(t), storage_use_count(t)
 
@@ -105,7 +102,7 @@ def adopt_memory(flat: torch.Tensor, t: torch.Tensor) -> bool:
     so the collective writes straight into them. Only when nothing else holds ``t`` or its
     storage and it starts at its storage's first byte: a comm that hands out a persistent
     buffer of its own keeps it, and the caller gathers into it and copies out."""
-    if _swap is None or _SOLE is None or t.storage_offset() != 0 or _refs(flat, t) != _SOLE:
+    if not has_swap_storage() or _SOLE is None or t.storage_offset() != 0 or _refs(flat, t) != _SOLE:
         return False
-    _swap(flat.untyped_storage(), t.untyped_storage())
+    swap_storage(flat.untyped_storage(), t.untyped_storage())
     return True

@@ -18,7 +18,7 @@ from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.planner.granularity import Granularity
 from ragged_fsdp.quant import BlockFP8, ScaleLayout, dequantize_pieces, quantize_pieces
 
-from ..torch_private import set_version_counter
+from ..torch_private import preserve_version_counter, set_version_counter
 from .collectives import Comm
 from .device import AllWork, Device, Pending
 
@@ -98,7 +98,7 @@ def quant_all_gather(device: Device, comm: Comm, buf: DBuffer) -> Pending:
     def post():
         ordered = scales.index_select(0, q.index(scales.device))  # tensor after tensor
         at = 0
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+        with torch.no_grad(), preserve_version_counter(out):
             for j, i in enumerate(lay.slots):
                 s = buf.slots[i]
                 n, rows, C = lay.pieces[j]
