@@ -260,8 +260,9 @@ def grouped_mxfp8_speedup(n: float, k: float) -> float:
 
 
 def _grouped_mx(lin: "Linear", recipe: Recipe) -> bool:
-    """True where the grouped-GEMM table above prices this linear (casts and all)."""
-    return recipe.float8 == "mxfp8" and lin.fp8 and _is_routed(lin.name)
+    """True where the grouped-GEMM table above prices this linear (casts and all): a routed
+    expert under MXFP8, or NVFP4 (its gain scaled from the table as the dense one is)."""
+    return recipe.float8 in ("mxfp8", "nvfp4") and lin.fp8 and _is_routed(lin.name)
 
 
 def attention_rate(prof: GPUProfile, seq: int, cp: int = 1, fp32: bool = False) -> float:
@@ -277,8 +278,9 @@ def linear_times(lin: Linear, prof: GPUProfile, recipe: Recipe, fp32: bool = Fal
     rate = ((prof.fp32_flops or prof.flops) if fp32 and prof.fp32_flops else prof.flops) * prof.efficiency
     bw, cb = prof.mem_bw, 4 if fp32 else 2
     f8 = bool(recipe.float8) and lin.fp8
-    gain = (grouped_mxfp8_speedup(lin.n, lin.k) if _grouped_mx(lin, recipe)
-            else low_precision_speedup(recipe.float8) if f8 else 1.0)
+    gain = low_precision_speedup(recipe.float8) if f8 else 1.0
+    if _grouped_mx(lin, recipe):  # torchao's grouped-GEMM gain, not the dense fit (NVFP4: x 2 of it, as dense)
+        gain = grouped_mxfp8_speedup(lin.n, lin.k) * (NVFP4_OVER_MXFP8 if recipe.float8 == "nvfp4" else 1.0)
     r = rate * gain
     a = (0.5 if recipe.float8 == "nvfp4" else 1) if f8 else cb
     m, k, n, c, fl = lin.m, lin.k, lin.n, lin.count, lin.flops

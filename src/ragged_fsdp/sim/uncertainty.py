@@ -42,6 +42,9 @@ def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
                 "DeepSeek-V3's expert shape, 1.70x at Scout's), by the expert's smaller dim; not fitted")
     elif recipe.float8 == "nvfp4":
         terms["nvfp4 GEMM gain"] = "assumed: MXFP8's fitted gain x 2 (data sheet ratio); no published NVFP4 point"
+        if moe:
+            terms["nvfp4 grouped-GEMM gain (routed experts)"] = (
+                "assumed: torchao's MXFP8 grouped-GEMM microbenchmark gain x 2; no published NVFP4 point")
     if moe and ep > 1:
         terms["EP all-to-all"] = (_fit("a2a_efficiency:standard") if recipe.moe_dispatcher == "standard" else
                                   "DeepEP: a token once per destination rank, at DeepEP's published bandwidth (0.95 of "
