@@ -303,13 +303,13 @@ def compute_times(gf: GroupFlops, prof: GPUProfile, recipe: Recipe, act_ckpt: st
         fwd, dgrad, wgrad = linear_times(lin, prof, recipe, fp32)
         mm_f += fwd
         mm_b += dgrad + wgrad
-        casts = f8 and not _grouped_mx(lin, recipe)  # the grouped table's gain has its casts in
-        if casts:
+        cf = cbk = 0.0
+        if f8 and not _grouped_mx(lin, recipe):  # the grouped table's gain has its casts in
             cf, cbk = _fp8_cast_bytes(lin, recipe.float8, tp, recipe.float8_allgather)
             cast_f, cast_b = cast_f + cf / bw, cast_b + cbk / bw
         if lin.op_rerun:
             mm_rerun += fwd
-            cast_rerun += (_fp8_cast_bytes(lin, recipe.float8, tp, recipe.float8_allgather)[0] / bw) if casts else 0.0
+            cast_rerun += cf / bw
     table = ELEMENTWISE_EAGER
     ew_bytes = sum(table[kind] * elems for kind, elems in gf.ew_fwd.items()) * cb / 2
     ew_f = ew_bytes / bw / (fitted.COMPILE_SPEEDUP if recipe.compile else 1.0)

@@ -254,10 +254,11 @@ class CudaDevice(Device):
         return Pending(event=event, keep=(dst, src), host=dst.device.type == "cpu")
 
     def release(self, t: torch.Tensor | None) -> None:
-        """Nothing beyond dropping the caller's reference: the caching allocator frees the
-        memory in the order of the stream the launch recorded, so it is reused only after the
-        lane is done with it. Resizing the storage here would be wrong: a NCCL stream may
-        still read it."""
+        """Nothing beyond dropping the caller's reference: the launch kept ``t`` referenced
+        until its wait, which ordered the compute stream after the lane's event, so the
+        caching allocator reuses the memory only after the lane is done with it. Resizing the
+        storage in place would add nothing, and before the wait it would free memory a NCCL
+        stream may still read."""
 
 
 def device_for(device: torch.device) -> Device:
