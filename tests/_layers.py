@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pure", ("shapes", "run_counts", "ragged_units")),  # integers and shapes, no torch.distributed
     ("planner", ("planner",)),
     ("dbuffer", ("dbuffer",)),
-    ("comm", ("comm",)),
+    ("comm", ("comm", "agreement")),  # collectives, and the one "every rank agrees, or every rank raises" protocol
     ("placement", ("placement",)),
     ("quant", ("quant",)),
     ("fsdp", ("fsdp",)),  # its own order: FSDP_LAYERS
