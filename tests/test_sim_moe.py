@@ -44,17 +44,19 @@ def test_validation_matches_record_and_targets(rows):
     for r in rows:
         if r["role"] == "fit":
             assert abs(r["tokens_per_s_error"]) < 5e-3, r["id"]
-    val = [r for r in rows if r["role"] == "validate"]
+    # the targets on published_points.json's points not fitted (issue 56 made two of its 50 the
+    # fit points of their own GPU): the medians are met, the maximum is not (docs/simulate.md
+    # lists the misses); these bounds are the measured values rounded up
+    val = [r for r in rows if r["role"] == "validate" and r["added"] != "issue 56"]
     err = [abs(r["tokens_per_s_error"]) for r in val]
     mem = [abs(r["memory_error"]) for r in val if r["memory_error"] is not None]
-    # the targets on the points not fitted: the medians are met, the maximum is not
-    # (docs/simulate.md lists the misses); these bounds are the measured values rounded up
+    assert len(val) == 48
     assert statistics.median(err) <= 0.10
     assert max(err) <= 0.50
     assert statistics.median(mem) <= 0.10
-    new = [abs(r["tokens_per_s_error"]) for r in val if r["gpu"] in ("b200", "gb200") or r["gpus"] == 32
-           and r["gpu"] == "h100"]
-    assert len(new) == 16 and statistics.median(new) <= 0.20  # measured 18.7%: the MoE points miss (docs)
+    # issue 56's points (each GPU on its own evidence): measured median 12.6%, max 30.4%
+    new = [abs(r["tokens_per_s_error"]) for r in rows if r["role"] == "validate" and r["added"] == "issue 56"]
+    assert len(new) == 15 and statistics.median(new) <= 0.15 and max(new) <= 0.35
 
 
 def _expert_flops_on_rank(model, ep, imbalance, tokens=4096.0):
@@ -209,14 +211,16 @@ def test_prediction_carries_what_it_rests_on():
     terms = r.uncertainty["terms"]
     assert terms["routing imbalance"].startswith("assumed")
     assert "tt-deepep-qwen3-default-8" in terms["EP all-to-all"]
-    assert "too slow" in r.uncertainty["validated_error_band"]
+    assert "cross-validation" in r.uncertainty["validated_error_band"] and r.uncertainty["band"]["low"] < 1
     for v in terms.values():  # every point named as a fit exists in the points file
         if "published point" in v:
             assert v.split("published point ")[1].split()[0] in ids
     assert "DeepEP" in _qwen(1.0, "deepep")["ragged"].uncertainty["terms"]["EP all-to-all"]
     sc = Scenario("llama3-8b", 8, PROFILES["mi300x"], parse_mesh("dp=8", 8), "adamw", "bf16", 4096, 1, "full", None)
     u = simulate(sc, ("fsdp2",))[0].uncertainty
-    assert "unvalidated on mi300x" in u["terms"]["GEMM efficiency"] and "no validation point" in u["validated_error_band"]
+    # MI300X's efficiency is fitted on a run of its own; its band says it cannot be
+    # cross-validated on MI300X alone (one source)
+    assert "ao-mi300x-8b-bf16" in u["terms"]["GEMM efficiency"] and "too few points" in u["validated_error_band"]
 
 
 def test_megatron_chunks_experts_as_megatron_core_holds_them():

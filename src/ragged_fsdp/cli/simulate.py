@@ -30,7 +30,7 @@ from ..models.catalog import list_models
 from ..sim.mesh import Mesh, parse_mesh
 from ..sim.options import (AC_MODES, FLOAT8_RECIPES, GRAD_WIRES, MAX_GPUS, MOE_DISPATCHERS, PP_SCHEDULES, Recipe,
                            check_finite)
-from ..sim.profiles import PROFILES, get_profile
+from ..sim.profiles import PROFILES, UNCALIBRATED, get_profile
 from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
 from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
@@ -55,7 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default="llama3-70b",
                    help="catalog id or a Hugging Face config.json path; ids: " + ", ".join(list_models(True)))
     p.add_argument("--gpus", type=int, default=1024, help="number of GPUs (default 1024)")
-    p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(PROFILES)} or a profile JSON")
+    p.add_argument("--gpu", default="h100", help=f"GPU profile: {', '.join(PROFILES)} (calibrated), "
+                   f"{', '.join(UNCALIBRATED)} (no evidence: needs --efficiency) or a profile JSON")
     for flag, _, _, hlp in _OVERRIDES:
         p.add_argument(flag, type=float, default=None, help=f"override the profile: {hlp}")
     p.add_argument("--optimizer", default="adamw", choices=("adamw", "adamw8bit", "muon"))
@@ -74,6 +75,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--float8", default=None, choices=FLOAT8_RECIPES,
                    help="torchao low-precision linears in the blocks: float8 tensorwise / rowwise, or MXFP8 / NVFP4 "
                         "(block-scaled; Blackwell only: --gpu b200 / gb200)")
+    p.add_argument("--low-precision-layers", type=int, default=None, metavar="N",
+                   help="the --float8 recipe on the first N decoder layers only, the rest and the head in bf16 "
+                        "(torchtitan's NVFP4 'bf16 tail': 27 of Llama 3 8B's 32)")
     p.add_argument("--moe-dispatcher", default="standard", choices=MOE_DISPATCHERS,
                    help="MoE with EP: torchtitan's default all-to-all (standard) or DeepEP's kernels")
     p.add_argument("--moe-imbalance", type=float, default=None,
@@ -116,7 +120,8 @@ _RANGE = {"--efficiency": (0.0, 1.0, True), "--overlap": (0.0, 1.0, False), "--r
 
 
 def _profile(args):
-    prof = get_profile(args.gpu)
+    # a GPU without evidence is refused unless --efficiency supplies it (never borrowed)
+    prof = get_profile(args.gpu, efficiency=args.efficiency)
     kw = {}
     for flag, field, scale, _ in _OVERRIDES:
         v = getattr(args, flag.lstrip("-").replace("-", "_"))
@@ -172,7 +177,7 @@ def run(args) -> int:
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
                         grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual,
                         grad_wire_block=args.grad_wire_block, moe_dispatcher=args.moe_dispatcher,
-                        moe_imbalance=args.moe_imbalance)
+                        moe_imbalance=args.moe_imbalance, low_precision_layers=args.low_precision_layers)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}
@@ -249,7 +254,12 @@ def run(args) -> int:
         u = results[0].uncertainty  # the same terms for every framework
         print()
         print("what the prediction rests on: " + "; ".join(f"{k}: {v}" for k, v in u["terms"].items()))
-        print(f"validated error band: {u['validated_error_band']}")
+        print(f"cross-validated error band: {u['validated_error_band']}")
+        b = u["band"]
+        if b["low"] is not None:
+            print("tokens/s/GPU with its band: " + "; ".join(
+                f"{r.framework} {r.tokens_per_s_per_gpu:,.0f} ({r.tokens_per_s_per_gpu * b['low']:,.0f} .. "
+                f"{r.tokens_per_s_per_gpu * b['high']:,.0f})" for r in results))
     print()
     print(format_host({r.framework: {**r.host["startup"], **{k: v for k, v in r.host["checkpoint"].items()
                                                              if k != "startup_cpu_s"}} for r in results}))

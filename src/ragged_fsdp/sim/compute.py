@@ -35,6 +35,7 @@ forward (its outputs are not in the save list).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 from .arch import Arch
@@ -145,14 +146,20 @@ def op_sac_split(tensors, top_k_frac: float) -> tuple[float, float]:
     return col, row
 
 
+def _layer_index(name: str) -> int | None:
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
 def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int, tp: int = 1, ep: int = 1,
-                imbalance: float = 1.0) -> GroupFlops:
+                imbalance: float = 1.0, lp_layers: int | None = None) -> GroupFlops:
     """Forward flops of one group for ``tokens`` tokens on this rank (full tensors, before TP),
     and the per-rank GEMM shapes and elementwise sizes under ``tp``-way TP.
 
     Routed experts under ``ep``-way EP: the group holds ``E / ep`` experts and each receives
     the routed copies of all ``ep`` ranks' tokens, ``tokens x top_k x ep / E`` on average,
-    times ``imbalance`` on the most loaded rank (the one the step waits for)."""
+    times ``imbalance`` on the most loaded rank (the one the step waits for). ``lp_layers``:
+    only decoder layers below this index run the low-precision recipe (a bf16 tail)."""
     frac = arch.top_k / arch.experts if arch.experts else 1.0
     gain = ep * imbalance if ep > 1 else 1.0  # routed tokens per local expert over the EP-free share
     fp8 = other = 0.0
@@ -164,6 +171,9 @@ def group_flops(arch: Arch, name: str, tensors, tokens: float, seq: int, cp: int
         routed = _is_routed(n)
         el = math.prod(s) * (frac * gain if routed else 1.0)
         is8 = is_fp8_linear(n, s)
+        if is8 and lp_layers is not None:
+            idx = _layer_index(n)
+            is8 = idx is not None and idx < lp_layers
         if is8:
             fp8 += 2.0 * el * tokens
         else:

@@ -3,13 +3,22 @@ validation point). ``python -m ragged_fsdp.sim.validate --fit`` refits them from
 ``published_points.json`` and prints the values; the validation run checks they still match.
 What each one scales is in :mod:`.compute` (GEMM roofline, elementwise traffic, attention).
 
-- ``EFFICIENCY[gpu]``: the fraction of peak dense bf16 flops a large GEMM reaches (the
+- ``EFFICIENCY[profile]``: the fraction of peak dense bf16 flops a large GEMM reaches (the
   compute roof of each GEMM's roofline; memory-bound GEMMs and the elementwise work are
-  costed separately at ``mem_bw``). H100: torchtitan Llama 3.1 8B on 8 Grand Teton H100
-  (peak taken as 912 TFLOP/s, see :mod:`.profiles`), FSDP, per-op SAC (5,762 tok/s); A100:
-  torchtitan Llama 3 8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s); B200: torchtitan
-  mxfp8.md, Llama 3 8B on 8 power-limited B200, bf16 (8,307.5 tok/s). H200 and MI300X borrow
-  H100's, GB200 B200's. Large GEMMs only: smaller shapes lose to :mod:`.gemm`'s saturation.
+  costed separately at ``mem_bw``), one per built-in profile, each fitted on a bf16 run *on
+  that GPU* (issue 56: none borrowed; a GPU without such a run has no entry and
+  :func:`.profiles.get_profile` refuses it). h100-gt: torchtitan Llama 3.1 8B on 8 Grand
+  Teton H100 (peak taken as 912 TFLOP/s, see :mod:`.profiles`), FSDP, per-op SAC (5,762
+  tok/s); h100 (SXM, 700 W): the AWS p5 blog's baseline (Llama 3 8B, 32 H100 SXM, 6,475
+  tok/s); h200: Trainy's 4-node run (Llama 3 8B, 32 H200, 10,938 tok/s; float8 tensorwise,
+  so its efficiency rests on the tensorwise gain fitted on h100-gt); a100: torchtitan Llama 3
+  8B on 64 A100, FSDP, per-layer SAC (2,904 tok/s); b200 (power-limited, as torchtitan's
+  published B200 runs): mxfp8.md, Llama 3 8B on 8 power-limited B200, bf16 (8,307.5 tok/s);
+  b200-1000w: torchtitan PR #1196's log (Llama 3 8B, 8 B200, 12,211 tok/s; configuration
+  inferred, see published_points_issue56.json); gb200: torchtitan nvfp4.md, Llama 3 8B on 4
+  GB200, bf16 (21,919 tok/s); mi300x: torchao's float8 training table, Llama 3 8B on 8
+  MI300X, bf16 (5,376.5 tok/s). Large GEMMs only: smaller shapes lose to :mod:`.gemm`'s
+  saturation.
 - ``FLOAT8_SPEEDUP["mxfp8"]``: the same B200 table's ``mxfp8_cublas`` row (9,969 tok/s);
   it prices dense linears. Routed experts' grouped GEMMs take torchao's microbenchmarked
   gain instead (:func:`.compute.grouped_mxfp8_speedup`, not fitted).
@@ -37,7 +46,8 @@ from __future__ import annotations
 
 __all__ = ["A2A_EFFICIENCY", "EFFICIENCY", "COMPILE_SPEEDUP", "FLOAT8_SPEEDUP", "ATTENTION_RATE", "ALLOCATOR_RESERVE", "FIT_POINTS"]
 
-EFFICIENCY = {"h100": 0.5391, "a100": 0.7626, "b200": 0.2613}
+EFFICIENCY = {"h100-gt": 0.5391, "h100": 0.5447, "h200": 0.5780, "a100": 0.7626, "b200": 0.2613, "b200-1000w": 0.4357,
+              "gb200": 0.5204, "mi300x": 0.2908}
 A2A_EFFICIENCY = {"standard": 0.3918}
 COMPILE_SPEEDUP = 3.6854
 FLOAT8_SPEEDUP = {"tensorwise": 1.7724, "rowwise": 1.3528, "mxfp8": 1.3877}
@@ -46,7 +56,7 @@ ALLOCATOR_RESERVE = 0.2121
 
 # constant -> id of the point in published_points.json it is fitted on (in fit order)
 FIT_POINTS = {
-    "efficiency:h100": "tt-2412-t1-fsdp",
+    "efficiency:h100-gt": "tt-2412-t1-fsdp",
     "efficiency:a100": "tt-perf-a100-l3-8b-layer",
     "compile_speedup": "tt-2412-t1-compile",
     "float8_speedup:tensorwise": "tt-2412-t1-compile-fp8",
@@ -57,4 +67,10 @@ FIT_POINTS = {
     "efficiency:b200": "tt-mx-b200-8b-bf16",
     "float8_speedup:mxfp8": "tt-mx-b200-8b-mxfp8-cublas",
     "a2a_efficiency:standard": "tt-deepep-qwen3-default-8",
+    # issue 56: every other GPU on a run of its own (published_points*.json)
+    "efficiency:h100": "aws-p5-8b-baseline",
+    "efficiency:h200": "trainy-h200-4n",
+    "efficiency:b200-1000w": "tt-pr1196-b200-8b",
+    "efficiency:gb200": "tt-nvfp4-gb200-llama-bf16",
+    "efficiency:mi300x": "ao-mi300x-8b-bf16",
 }

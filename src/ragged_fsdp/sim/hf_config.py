@@ -64,9 +64,10 @@ def hf_to_catalog(c: dict) -> dict:
     if mt == "mixtral" or "mixtral" in archs:
         return dict(base, family="mixtral", kv_heads=kv, head_dim=head_dim, intermediate=_get(c, "intermediate_size"),
                     experts=_get(c, "num_local_experts"), experts_per_token=_get(c, "num_experts_per_tok"))
-    if mt in ("llama", "mistral") or "llama" in archs or "mistral" in archs:
+    # dense Qwen3 is Llama-shaped (its q/k RMSNorm weights are head_dim vectors, left out)
+    if mt in ("llama", "mistral", "qwen3") or "llama" in archs or "mistral" in archs:
         return dict(base, family="llama", kv_heads=kv, head_dim=head_dim, intermediate=_get(c, "intermediate_size"))
-    raise ValueError(f"config.json model_type {mt!r} is not supported; supported families: Llama/Mistral, "
+    raise ValueError(f"config.json model_type {mt!r} is not supported; supported families: Llama/Mistral/Qwen3, "
                      "Llama 4, Mixtral, Qwen3-MoE, GPT-OSS, DeepSeek-V3/Kimi-K2")
 
 

@@ -51,7 +51,7 @@ ROUTER_PASSES = 6  # fp32 passes over tokens x E scores: softmax/sigmoid (2), to
 DEEPEP_EFFICIENCY = 0.95  # Hopper (and across nodes): DeepEP README
 # Blackwell NVLink: mean of torchtitan's tuned B200 EP-8 dispatch / combine over 900 GB/s
 DEEPEP_EFFICIENCY_BLACKWELL_NVLINK = (516.71 + 485.75) / 2 / 900
-BLACKWELL = ("b200", "gb200")
+BLACKWELL = ("b200", "b200-1000w", "gb200")
 
 
 @dataclass

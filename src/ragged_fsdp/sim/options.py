@@ -123,6 +123,9 @@ class Recipe:
     # EP rank / mean; None: moe.DEFAULT_IMBALANCE)
     moe_dispatcher: str = "standard"
     moe_imbalance: float | None = None
+    # the low-precision recipe on the first N decoder layers only, the rest (and the head) in
+    # bf16: torchtitan's NVFP4 "bf16 tail" (llama3_8b_nvfp4_mixed: 27 of 32 layers); None: all
+    low_precision_layers: int | None = None
 
     @property
     def residual_storage(self) -> str | None:
@@ -131,6 +134,14 @@ class Recipe:
         return self.grad_wire_residual or DEFAULT_RESIDUAL[self.grad_wire]
 
     def check(self, tp: int, pp: int, local_batch: int) -> None:
+        lp = self.low_precision_layers
+        if lp is not None:
+            if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:
+                raise ValueError(f"--low-precision-layers {lp!r} must be an int >= 0 (the leading decoder layers "
+                                 "in the --float8 recipe)")
+            if self.float8 is None:
+                raise ValueError("--low-precision-layers picks which layers run the --float8 recipe; add --float8 "
+                                 "nvfp4 (or mxfp8, tensorwise, rowwise)")
         if self.grad_wire is not None and self.grad_wire not in GRAD_WIRES:
             raise ValueError(f"--grad-wire {self.grad_wire!r}: choose one of {', '.join(GRAD_WIRES)}")
         if self.grad_wire_ef and self.grad_wire is None:

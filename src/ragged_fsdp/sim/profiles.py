@@ -2,15 +2,16 @@
 
 Every field can be overridden (``GPUProfile.with_overrides`` / the CLI's ``--gpu-*`` flags).
 ``efficiency`` is the fraction of peak dense flops a transformer step's matmuls reach; it is
-the one number fitted on a published point (see :mod:`.published`); everything else is a
-spec-sheet value. A ``cpu`` profile comes from ``simulate --calibrate`` (measured here).
+the one number fitted on a published point, each GPU on a run of its own (:mod:`.fitted`);
+everything else is a spec-sheet value. A GPU with a data sheet but no run to fit on
+(``mi325x``) is in :data:`UNCALIBRATED` and refused unless its efficiency is given. A ``cpu`` profile comes from ``simulate --calibrate`` (measured here).
 
 Sources (vendor data sheets): H100 SXM5 80 GB: 989 TFLOP/s dense bf16, 3.35 TB/s HBM3,
 NVLink 900 GB/s per GPU (450 each way), 8 GPUs per HGX node, 400 Gb/s ConnectX-7 per GPU.
 H200 SXM: same compute and links, 141 GB HBM3e at 4.8 TB/s. A100 SXM4 80 GB: 312 TFLOP/s
 dense bf16, 2.04 TB/s, NVLink 600 GB/s (300 each way), 200 Gb/s HDR per GPU in DGX A100.
 B200 (HGX B200): 2.25 PFLOP/s dense bf16, 180 GB HBM3e at 7.7 TB/s, NVLink 5 at 1.8 TB/s
-(900 each way), 400 Gb/s per GPU. ``h100-gt``: the H100 of Meta's Grand Teton hosts that
+(900 each way), 400 Gb/s per GPU. MI325X: 1.3 PFLOP/s dense bf16, 256 GB HBM3E at 6 TB/s. ``h100-gt``: the H100 of Meta's Grand Teton hosts that
 torchtitan's published benchmarks ran on (their "Hardware" section): 96 GB HBM2e at
 2.4 TB/s, 500 W, NVLink inside the 8-GPU host, 400 Gb/s RDMA per GPU; its dense bf16 peak
 is "between SXM and NVL" (the same file), taken as the midpoint, 912 TFLOP/s.
@@ -30,7 +31,7 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-__all__ = ["GPUProfile", "PROFILES", "get_profile", "load_profile", "validate_profile"]
+__all__ = ["GPUProfile", "PROFILES", "UNCALIBRATED", "get_profile", "load_profile", "validate_profile"]
 
 GB = 1e9
 GiB = 2**30
@@ -71,35 +72,44 @@ class GPUProfile:
         return asdict(self)
 
 
-# efficiency: fitted on one published torchtitan FSDP2 point per GPU (sim/fitted.py): H100
-# on Llama 3.1 8B (8 GPUs), A100 on Llama 3 8B (64 GPUs). H200 shares H100's compute;
-# B200 (and GB200) on torchtitan's Llama 3 8B bf16 point on 8 B200.
+# efficiency: each built-in profile's own, fitted on a published bf16 run on that GPU
+# (sim/fitted.py says which); none is borrowed from another GPU (issue 56)
 from .fitted import ALLOCATOR_RESERVE, EFFICIENCY
 
-EFF_H100, EFF_A100, EFF_B200 = EFFICIENCY["h100"], EFFICIENCY["a100"], EFFICIENCY["b200"]
 _R = {"alloc_reserve": ALLOCATOR_RESERVE}
 
 # the Grand Teton H100's dense bf16 peak: torchtitan's benchmark file (footnote 2) says it
 # lies between the H100 NVL's (835 TFLOP/s) and the SXM's (989) and is not known exactly;
-# the midpoint, so a profile fitted on it and moved to a 700 W SXM part (H200) is off by at
-# most ~8% from this alone
+# the midpoint (its efficiency is fitted against this peak, so the choice cancels on it)
 H100_GT_PEAK = (835e12 + 989e12) / 2
 
-PROFILES: dict[str, GPUProfile] = {
-    "h100": GPUProfile("h100", 80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
-    "h100-gt": GPUProfile("h100-gt", 96 * GB, H100_GT_PEAK, 2.4e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
-    "h200": GPUProfile("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
-    "a100": GPUProfile("a100", 80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8, efficiency=EFF_A100, **_R),
-    "b200": GPUProfile("b200", 180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8, efficiency=EFF_B200, **_R),
-    # GB200 NVL72: the same Blackwell GPU at a higher power limit (2.5 PFLOP/s dense bf16,
-    # 186 GB HBM3e at 8 TB/s), NVLink 5 across the whole 72-GPU rack (900 GB/s each way per
-    # GPU), 400 Gb/s per GPU beyond the rack; compute efficiency borrowed from B200's fit
-    "gb200": GPUProfile("gb200", 186 * GB, 2500e12, 8.0e12, 900 * GB, 50 * GB, 72, efficiency=EFF_B200, **_R),
+# spec sheets (vendor data): name -> (HBM bytes, dense bf16 flop/s, HBM bytes/s, NVLink one way,
+# network per GPU, GPUs per NVLink domain)
+SPECS = {
+    "h100": (80 * GB, 989e12, 3.35e12, 450 * GB, 50 * GB, 8),
+    "h100-gt": (96 * GB, H100_GT_PEAK, 2.4e12, 450 * GB, 50 * GB, 8),
+    "h200": (141 * GB, 989e12, 4.8e12, 450 * GB, 50 * GB, 8),
+    "a100": (80 * GB, 312e12, 2.039e12, 300 * GB, 25 * GB, 8),
+    # HGX B200; 'b200' is calibrated on torchtitan's power-limited runs, 'b200-1000w' on a run
+    # at the default limit (the same silicon and data sheet)
+    "b200": (180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8),
+    "b200-1000w": (180 * GB, 2250e12, 7.7e12, 900 * GB, 50 * GB, 8),
+    # GB200 NVL72: 2.5 PFLOP/s dense bf16, 186 GB HBM3e at 8 TB/s, NVLink 5 across the whole
+    # 72-GPU rack (900 GB/s each way per GPU), 400 Gb/s per GPU beyond the rack
+    "gb200": (186 * GB, 2500e12, 8.0e12, 900 * GB, 50 * GB, 72),
     # MI300X: 1,307 TFLOP/s dense bf16, 192 GB HBM3 at 5.3 TB/s, Infinity Fabric to the 7
-    # other GPUs of the node (7 x 64 GB/s each way), 400 Gb/s per GPU; no published training
-    # point was found to fit on, so it borrows H100's efficiency (unvalidated)
-    "mi300x": GPUProfile("mi300x", 192 * GB, 1307e12, 5.3e12, 448 * GB, 50 * GB, 8, efficiency=EFF_H100, **_R),
+    # other GPUs of the node (7 x 64 GB/s each way), 400 Gb/s per GPU
+    "mi300x": (192 * GB, 1307e12, 5.3e12, 448 * GB, 50 * GB, 8),
+    # MI325X: the MI300X's compute (1,307 TFLOP/s dense bf16) with 256 GB HBM3E at 6 TB/s
+    "mi325x": (256 * GB, 1307e12, 6.0e12, 448 * GB, 50 * GB, 8),
 }
+
+PROFILES: dict[str, GPUProfile] = {
+    name: GPUProfile(name, *spec, efficiency=EFFICIENCY[name], **_R) for name, spec in SPECS.items() if name in EFFICIENCY}
+# data-sheet profiles with no training run and no microbenchmark to calibrate on: refused by
+# get_profile unless the caller supplies the efficiency (then flagged as uncalibrated)
+UNCALIBRATED: dict[str, GPUProfile] = {
+    name: GPUProfile(name, *spec, **_R) for name, spec in SPECS.items() if name not in EFFICIENCY}
 
 
 # field -> (lowest, highest, lowest allowed itself); every other numeric field: finite > 0
@@ -151,12 +161,23 @@ def load_profile(path: str | Path) -> GPUProfile:
     return validate_profile(prof, f"--gpu {path}")
 
 
-def get_profile(name: str) -> GPUProfile:
-    """A built-in profile by name, or a JSON profile file (e.g. from ``--calibrate``)."""
+def get_profile(name: str, efficiency: float | None = None) -> GPUProfile:
+    """A built-in profile by name, or a JSON profile file (e.g. from ``--calibrate`` or
+    ``benchmarks/gpu_calibrate.py``). A built-in GPU without evidence (:data:`UNCALIBRATED`)
+    is refused unless ``efficiency`` is given: its efficiency is never borrowed."""
     key = name.lower()
     if key in PROFILES:
         return PROFILES[key]
+    if key in UNCALIBRATED:
+        if efficiency is None:
+            raise ValueError(
+                f"--gpu {key}: no published training run or microbenchmark of this GPU to calibrate its GEMM "
+                f"efficiency on, and none is borrowed from another GPU. Pass --efficiency X (the prediction is then "
+                f"flagged as uncalibrated, without an error band), or measure one with "
+                f"`python benchmarks/gpu_calibrate.py` on the GPU and pass its JSON as --gpu")
+        return validate_profile(replace(UNCALIBRATED[key], efficiency=efficiency))
     if Path(name).suffix == ".json":
         return load_profile(name)
-    raise ValueError(f"unknown GPU profile {name!r}; known: {', '.join(PROFILES)} or a profile "
+    raise ValueError(f"unknown GPU profile {name!r}; known: {', '.join(PROFILES)} (no evidence: "
+                     f"{', '.join(UNCALIBRATED)}) or a profile "
                      "JSON written by `simulate --calibrate`")

@@ -44,7 +44,7 @@ VALIDATED = {"ragged": "validated", "fsdp2": "validated", "fsdp1": "unvalidated"
 # large W costs more padding than it saves.
 DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": None}
 # built-in profiles without MXFP8 / NVFP4 tensor cores (custom JSON profiles are trusted)
-NO_BLOCK_SCALED = {"h100", "h100-gt", "h200", "a100", "mi300x"}
+NO_BLOCK_SCALED = {"h100", "h100-gt", "h200", "a100", "mi300x", "mi325x"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # torchao BlockFP8-style all-gather of ragged_fsdp: 1-byte codes + one fp32 scale per 128x128 tile
 BLOCK_FP8_BYTES = 1 + 4 / (128 * 128)
@@ -197,7 +197,8 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
         if arch.experts else None
     for (name, tensors, is_exp), g in zip(split, L):
         is_layer = name.startswith("layers")
-        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp, mesh.tp, mesh.ep, imb)
+        gf = group_flops(arch, name, tensors, tokens, sc.seq, mesh.cp, mesh.tp, mesh.ep, imb,
+                         sc.recipe.low_precision_layers)
         # the MoE layer's permutation and router run with its routed experts (one group per
         # layer: the experts' own group under EP, else the layer)
         routed = mc is not None and is_layer and any(_is_routed(n) for n, _ in tensors)
@@ -341,7 +342,8 @@ def simulate(sc: Scenario, frameworks=FRAMEWORKS, arch: Arch | None = None) -> l
             padding=(held - used) / max(1, used), step_s=tr.step, mfu=mfu, tokens_per_s_per_gpu=tokens_gpu / tr.step,
             time_parts=tr.parts, differences=DIFFERENCES[fw], comm_phases=tr.comm_phases, peak_stage=s_mem,
             grad_reduce=_grad_reduce(fw, sc, arch, per_stage, s_time),
-            uncertainty=uncertainty(prof.name, sc.recipe, bool(arch.experts), mesh.ep),
+            uncertainty=uncertainty(prof.name, sc.recipe, bool(arch.experts), mesh.ep, prof.efficiency,
+                                    {"tp": mesh.tp, "cp": mesh.cp, "pp": mesh.pp, "ep": mesh.ep}),
             # measured on 1-D FSDP meshes of W ranks: the set-up is taken at the shard group's
             # size and the coordinator's planning at every rank's (it gathers all plans)
             host={"startup": host_costs(sc.model, fw, mesh.dp, n_tensors),

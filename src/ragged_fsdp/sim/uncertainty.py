@@ -1,34 +1,65 @@
-"""What a prediction rests on: for one scenario, each cost term that enters it and whether
-it is calibrated on a published point (which), taken from a spec sheet or a cited
-measurement, or assumed; and the error band the validation (docs/simulate.md) measured for
-runs of that kind. Printed by ``simulate`` and carried in its JSON."""
+"""What a prediction rests on, and how far off it may be: for one scenario, each cost term
+that enters it and where its number comes from (fitted on which published point, a spec
+sheet, a cited measurement, or assumed), and the tokens/s error band that leave-one-source-
+out cross-validation earned for runs of its kind (:mod:`.crossval`, ``data/error_bands.json``).
+Printed by ``simulate`` with every prediction and carried in its JSON."""
 
 from __future__ import annotations
 
+import math
+
 from . import fitted
+from .bands import MIN_GROUP, band_for, groups_of, load_bands
 from .options import Recipe
 
-__all__ = ["EFF_FAMILY", "uncertainty"]
+__all__ = ["uncertainty", "band"]
 
-# which fitted efficiency a built-in profile uses, and whether it was fitted on that GPU
-EFF_FAMILY = {"h100": ("h100", False), "h100-gt": ("h100", True), "h200": ("h100", False),
-              "a100": ("a100", True), "b200": ("b200", True), "gb200": ("b200", False),
-              "mi300x": ("h100", False)}
+_BANDS: dict = {}
+
+
+def _bands() -> dict:
+    if not _BANDS:
+        _BANDS.update(load_bands())
+    return _BANDS
 
 
 def _fit(key: str) -> str:
     return f"fitted on published point {fitted.FIT_POINTS[key]}"
 
 
-def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
+def band(profile_name: str, efficiency: float, recipe: Recipe, moe: bool, mesh: dict) -> dict:
+    """The cross-validated tokens/s band of a run: ``low`` / ``high`` are factors on the
+    prediction; ``None`` factors where no band applies (and ``why``)."""
+    doc = _bands()
+    fit_eff = fitted.EFFICIENCY.get(profile_name)
+    if fit_eff is None:
+        return {"low": None, "high": None, "why": f"{profile_name}: not a calibrated built-in profile (its efficiency "
+                "is supplied or measured, not fitted on published runs), so no cross-validated band applies"}
+    if not math.isclose(efficiency, fit_eff, rel_tol=1e-3):
+        return {"low": None, "high": None, "why": f"efficiency overridden ({efficiency:g}, fitted {fit_eff:g}): the "
+                "cross-validated band is of the fitted profile"}
+    if not doc:
+        return {"low": None, "high": None, "why": "no error_bands.json (run python -m ragged_fsdp.sim.crossval)"}
+    mesh_s = ",".join(f"{k}={v}" for k, v in mesh.items())
+    groups = groups_of(profile_name, {"float8": recipe.float8}, mesh_s)
+    q, src = band_for(groups, doc["bands"])
+    own = doc["bands"].get(f"gpu:{profile_name}", {"n": 0})
+    note = (f"{profile_name}: {own['n']} cross-validated points" if own["n"] >= MIN_GROUP else
+            f"{profile_name}: too few points from a second source to cross-validate on this GPU alone "
+            f"({own['n']}); band from the feature groups and all GPUs")
+    return {"low": math.exp(-q), "high": math.exp(q), "from": src, "level": doc["level"],
+            "coverage": doc["coverage"]["fraction"], "groups": groups, "why": note}
+
+
+def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int, efficiency: float | None = None,
+                mesh: dict | None = None) -> dict:
     terms: dict[str, str] = {}
-    fam = EFF_FAMILY.get(profile_name)
-    if fam is None:
-        terms["GEMM efficiency"] = f"from the profile {profile_name!r} (not fitted here)"
+    key = f"efficiency:{profile_name}"
+    if key in fitted.FIT_POINTS:
+        terms["GEMM efficiency"] = _fit(key) + f" (a run on {profile_name} itself)"
     else:
-        key = f"efficiency:{fam[0]}"
-        terms["GEMM efficiency"] = _fit(key) + ("" if fam[1] else f" (borrowed from {fam[0]}; unvalidated on "
-                                                                f"{profile_name})")
+        terms["GEMM efficiency"] = (f"from the profile {profile_name!r}: supplied or measured, not fitted on a "
+                                    "published run (uncalibrated)")
     terms["GEMM shape saturation"] = "assumed (half rate at a 64-element dim)"
     terms["attention rate"] = _fit("attention_rate")
     terms["peaks, bandwidths, latencies"] = "spec sheets; NCCL latency orders of magnitude (assumed)"
@@ -41,10 +72,14 @@ def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
                 "torchao's B200 microbenchmark of its MXFP8 grouped GEMM, casts included (1.38x at "
                 "DeepSeek-V3's expert shape, 1.70x at Scout's), by the expert's smaller dim; not fitted")
     elif recipe.float8 == "nvfp4":
-        terms["nvfp4 GEMM gain"] = "assumed: MXFP8's fitted gain x 2 (data sheet ratio); no published NVFP4 point"
+        terms["nvfp4 GEMM gain"] = ("assumed: MXFP8's fitted gain x 2 (data sheet ratio); not fitted (torchtitan's "
+                                    "NVFP4 points validate it: see docs/simulate.md)")
         if moe:
             terms["nvfp4 grouped-GEMM gain (routed experts)"] = (
-                "assumed: torchao's MXFP8 grouped-GEMM microbenchmark gain x 2; no published NVFP4 point")
+                "assumed: torchao's MXFP8 grouped-GEMM microbenchmark gain x 2; no published NVFP4 MoE point")
+    if recipe.low_precision_layers is not None:
+        terms["low-precision layers"] = (f"the first {recipe.low_precision_layers} decoder layers in {recipe.float8}, "
+                                         "the rest and the head in bf16 (given)")
     if moe and ep > 1:
         terms["EP all-to-all"] = (_fit("a2a_efficiency:standard") if recipe.moe_dispatcher == "standard" else
                                   "DeepEP: a token once per destination rank, at DeepEP's published bandwidth (0.95 of "
@@ -52,11 +87,12 @@ def uncertainty(profile_name: str, recipe: Recipe, moe: bool, ep: int) -> dict:
         terms["routing imbalance"] = ("given" if recipe.moe_imbalance is not None else
                                       "assumed 1.1 (default; not calibrated)")
     terms["allocator reserve (memory)"] = _fit("allocator_reserve")
-    if moe:
-        band = ("MoE with EP on Blackwell: validation points -18% to -28% (predicted too slow; B200 efficiency fitted on power-limited parts; published MXFP8 ratios put the routed GEMMs at >= 64% of a step the model gives 14%); memory of "
-                "DeepEP runs: resident routed activations not modelled (-47% to -70%)")
-    elif profile_name in ("mi300x", "gb200") or recipe.float8 == "nvfp4":
-        band = "no validation point for this GPU / recipe"
+    eff = fitted.EFFICIENCY.get(profile_name, float("nan")) if efficiency is None else efficiency
+    b = band(profile_name, eff, recipe, moe, mesh or {"ep": ep})
+    if b["low"] is None:
+        text = f"none: {b['why']}"
     else:
-        band = "dense runs on fitted GPU families: validation median 6%, most within 10%; TP 8 of a small model and long-context CP up to +30-47%; memory median 2-5%"
-    return {"terms": terms, "validated_error_band": band}
+        text = (f"tokens/s x{b['low']:.2f} .. x{b['high']:.2f} of the prediction (leave-one-source-out cross-"
+                f"validation; widest of its groups: {b['from']}; covers {b['coverage']:.0%} of published points "
+                f"whose source the band never saw); {b['why']}")
+    return {"terms": terms, "validated_error_band": text, "band": b}

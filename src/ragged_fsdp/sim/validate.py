@@ -28,20 +28,27 @@ from .simulate import Scenario, simulate
 __all__ = ["load_points", "predict", "fit", "evaluate", "summary", "markdown", "main"]
 
 POINTS_PATH = Path(__file__).parent / "data" / "published_points.json"
+# points collected for issue 56 (published runs the first file lacked: torchao's H100 / MI300X /
+# B200 tables, torchtitan's GB200 NVFP4 page, 405B on 128 H100, PR #1196's B200 log)
+ISSUE56_PATH = Path(__file__).parent / "data" / "published_points_issue56.json"
 GiB = 2**30
-# which EFFICIENCY entry a profile uses: the H100 family shares one (same compute)
-EFF_KEY = {"h100": "h100", "h100-gt": "h100", "h200": "h100", "b200": "b200", "gb200": "b200", "a100": "a100",
-           "mi300x": "h100"}
 
 
-def load_points(path: Path = POINTS_PATH) -> dict:
-    data = json.loads(Path(path).read_text())
-    _MODELS.update(data.get("models", {}))
+def load_points(path: Path | None = None) -> dict:
+    """Both points files merged (``path``: one file only). Each point keeps its own source."""
+    paths = [Path(path)] if path else [POINTS_PATH, ISSUE56_PATH]
+    data = {"points": [], "assumptions": [], "models": {}}
+    for f in paths:
+        d = json.loads(f.read_text())
+        data["points"] += d["points"]
+        data["assumptions"] += d.get("assumptions", [])
+        data["models"].update(d.get("models", {}))
+    _MODELS.update(data["models"])
     return data
 
 
 def _scenario(pt: dict) -> Scenario:
-    prof = PROFILES[pt["gpu"]].with_overrides(efficiency=fitted.EFFICIENCY[EFF_KEY[pt["gpu"]]],
+    prof = PROFILES[pt["gpu"]].with_overrides(efficiency=fitted.EFFICIENCY[pt["gpu"]],
                                               alloc_reserve=fitted.ALLOCATOR_RESERVE)
     r = dict(pt["recipe"])
     return Scenario(pt["model"], pt["gpus"], prof, parse_mesh(pt["mesh"], pt["gpus"]), "adamw", "bf16", pt["seq"],
@@ -97,13 +104,19 @@ def _apply(values: dict) -> None:
             raise KeyError(k)
 
 
+def value(key: str) -> float:
+    kind, _, sub = key.partition(":")
+    table = {"efficiency": fitted.EFFICIENCY, "float8_speedup": fitted.FLOAT8_SPEEDUP,
+             "a2a_efficiency": fitted.A2A_EFFICIENCY}
+    if kind in table:
+        return table[kind][sub]
+    return {"compile_speedup": fitted.COMPILE_SPEEDUP, "attention_rate": fitted.ATTENTION_RATE,
+            "allocator_reserve": fitted.ALLOCATOR_RESERVE}[kind]
+
+
 def current() -> dict:
-    return {"efficiency:h100": fitted.EFFICIENCY["h100"], "efficiency:a100": fitted.EFFICIENCY["a100"],
-            "efficiency:b200": fitted.EFFICIENCY["b200"],
-            "compile_speedup": fitted.COMPILE_SPEEDUP, "float8_speedup:tensorwise": fitted.FLOAT8_SPEEDUP["tensorwise"],
-            "float8_speedup:rowwise": fitted.FLOAT8_SPEEDUP["rowwise"], "float8_speedup:mxfp8": fitted.FLOAT8_SPEEDUP["mxfp8"],
-            "attention_rate": fitted.ATTENTION_RATE, "a2a_efficiency:standard": fitted.A2A_EFFICIENCY["standard"],
-            "allocator_reserve": fitted.ALLOCATOR_RESERVE}
+    """Every fitted constant, keyed as ``fitted.FIT_POINTS``."""
+    return {k: value(k) for k in fitted.FIT_POINTS}
 
 
 _RANGE = {"efficiency": (0.05, 1.0), "compile_speedup": (0.5, 20.0), "float8_speedup": (0.3, 3.0),
@@ -147,7 +160,8 @@ def evaluate(points: list[dict]) -> list[dict]:
         r = predict(pt)
         err = r.tokens_per_s_per_gpu / pt["tokens_per_s"] - 1
         mem = r.memory_bytes / GiB
-        rows.append({"id": pt["id"], "role": pt["role"], "source": pt["source"], "table": pt["table"],
+        rows.append({"id": pt["id"], "role": pt["role"], "added": pt.get("added"), "source": pt["source"],
+                     "table": pt["table"],
                      "row": pt["row"], "model": pt["model"], "gpu": pt["gpu"], "gpus": pt["gpus"], "mesh": pt["mesh"],
                      "seq": pt["seq"], "local_batch": pt["local_batch"], "act_ckpt": pt["act_ckpt"],
                      "recipe": pt["recipe"], "tokens_per_s_published": pt["tokens_per_s"],
@@ -159,6 +173,14 @@ def evaluate(points: list[dict]) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> dict:
+    """All validation points, and apart: those of published_points.json and issue 56's."""
+    out = _summary(rows)
+    out["before_issue_56"] = _summary([r for r in rows if r.get("added") != "issue 56"])
+    out["issue_56"] = _summary([r for r in rows if r.get("added") == "issue 56"])
+    return out
+
+
+def _summary(rows: list[dict]) -> dict:
     v = [r for r in rows if r["role"] == "validate"]
     e = [abs(r["tokens_per_s_error"]) for r in v]
     m = [abs(r["memory_error"]) for r in v if r["memory_error"] is not None]
@@ -250,6 +272,10 @@ def main(argv=None) -> int:
     print("fitted on (the error there is the fit's residual):")
     print(markdown(doc, "fit"))
     s = doc["summary"]
+    for name, t in (("published_points.json", s["before_issue_56"]), ("issue 56's points", s["issue_56"])):
+        print(f"{name}: {t['points']} validation points, tokens/s median |error| {t['tokens_per_s_median_abs_error']:.1%}, "
+              f"max {t['tokens_per_s_max_abs_error']:.1%}; memory on {t['memory_points']}: median "
+              f"{t['memory_median_abs_error']:.1%}")
     print(f"\n{s['points']} validation points from {s['sources']} sources: tokens/s median |error| "
           f"{s['tokens_per_s_median_abs_error']:.1%}, max {s['tokens_per_s_max_abs_error']:.1%} "
           f"({s['within_8pct']} within 8%, {s['within_20pct']} within 20%); memory on {s['memory_points']} points: "
