@@ -86,6 +86,7 @@ gpu-check:
 	PYTHONPATH=src python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 	PYTHONPATH=src timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_fsdp_cuda.py
 	mkdir -p $${OUT:-out} && PYTHONPATH=src timeout 240 python3 benchmarks/gpu.py --json $${OUT:-out}/gpu_bench.json
+	PYTHONPATH=src timeout 180 python3 benchmarks/gpu_calibrate.py --out $${OUT:-out}/gpu_profile.json
 
 clean:
 	rm -rf $(VENV) $(VENV214) $(VENV215) out build src/*.egg-info
