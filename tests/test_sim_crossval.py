@@ -116,3 +116,27 @@ def test_gpu_calibration_dry_run_on_cpu(tmp_path):
     sc = Scenario("llama3-8b", 8, prof, parse_mesh("dp=8", 8), "adamw", "bf16", 1024, 1, "op", None)
     r = simulate(sc, ("fsdp2",))[0]
     assert r.tokens_per_s_per_gpu > 0 and r.uncertainty["band"]["low"] is None
+
+
+def _llama_8b(**kw):
+    sc = Scenario("llama3-8b", 8, PROFILES["h100"], parse_mesh("dp=8", 8), "adamw", "bf16", 8192, 2, "none", None,
+                  recipe=Recipe(**kw))
+    return simulate(sc, ("fsdp2",))[0]
+
+
+def test_chunked_loss_and_activation_offload_memory():
+    base, chunked, off = _llama_8b(), _llama_8b(loss_chunks=8), _llama_8b(act_offload=True)
+    # chunked: the loss phase holds 1/8 of the logits (bf16 logits, fp32 copy, log-softmax
+    # and its gradient per element: 12 bytes x 16,384 tokens x 128,256 vocab / 8)
+    loss_gib = 12 * 16384 * 128256 / 2**30
+    assert base.memory_items["logits and loss"] / 2**30 == pytest.approx(loss_gib, rel=1e-6)
+    assert base.memory_bytes - chunked.memory_bytes >= 0.8 * loss_gib * 7 / 8 - 1e-6
+    assert chunked.tokens_per_s_per_gpu == pytest.approx(base.tokens_per_s_per_gpu)
+    # offload: no saved activations resident; the PCIe copy (104 GiB each way over 51 GB/s)
+    # outlasts the blocks' compute, so the step waits on it
+    assert "saved activations" not in off.memory_items or off.memory_items["saved activations"] == 0
+    assert off.memory_bytes < 0.4 * base.memory_bytes
+    saved = base.memory_items["saved activations"]
+    assert off.step_s >= base.step_s and off.step_s - base.step_s <= 2 * saved / (0.8 * 64e9) + 1e-9
+    with pytest.raises(ValueError, match="--loss-chunks 0"):
+        Recipe(loss_chunks=0).check(1, 1, 1)

@@ -78,6 +78,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--low-precision-layers", type=int, default=None, metavar="N",
                    help="the --float8 recipe on the first N decoder layers only, the rest and the head in bf16 "
                         "(torchtitan's NVFP4 'bf16 tail': 27 of Llama 3 8B's 32)")
+    p.add_argument("--loss-chunks", type=int, default=1, metavar="C",
+                   help="the loss over the vocabulary in C chunks of tokens (chunked / fused linear cross-entropy): "
+                        "one chunk's logits live at a time")
+    p.add_argument("--act-offload", action="store_true",
+                   help="saved activations copied to host memory after each block's forward and back before its "
+                        "backward; the copy's time beyond the block's compute is exposed")
     p.add_argument("--moe-dispatcher", default="standard", choices=MOE_DISPATCHERS,
                    help="MoE with EP: torchtitan's default all-to-all (standard) or DeepEP's kernels")
     p.add_argument("--moe-imbalance", type=float, default=None,
@@ -177,7 +183,8 @@ def run(args) -> int:
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
                         grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual,
                         grad_wire_block=args.grad_wire_block, moe_dispatcher=args.moe_dispatcher,
-                        moe_imbalance=args.moe_imbalance, low_precision_layers=args.low_precision_layers)
+                        moe_imbalance=args.moe_imbalance, low_precision_layers=args.low_precision_layers,
+                        loss_chunks=args.loss_chunks, act_offload=args.act_offload)
         sc = Scenario(args.model, args.gpus, prof, mesh if mesh is not None else parse_mesh(None, args.gpus),
                       args.optimizer, args.dtype, args.seq, args.micro_batch, args.act_ckpt, gran, recipe=recipe)
         why = {}

@@ -126,6 +126,12 @@ class Recipe:
     # the low-precision recipe on the first N decoder layers only, the rest (and the head) in
     # bf16: torchtitan's NVFP4 "bf16 tail" (llama3_8b_nvfp4_mixed: 27 of 32 layers); None: all
     low_precision_layers: int | None = None
+    # the loss over the vocabulary in this many chunks of tokens (a chunked / fused linear
+    # cross-entropy): only one chunk's logits and their temporaries live at once
+    loss_chunks: int = 1
+    # each block's saved activations copied to host memory after its forward and back before
+    # its backward (torch.autograd.graph.save_on_cpu style, prefetched one block ahead)
+    act_offload: bool = False
 
     @property
     def residual_storage(self) -> str | None:
@@ -134,6 +140,9 @@ class Recipe:
         return self.grad_wire_residual or DEFAULT_RESIDUAL[self.grad_wire]
 
     def check(self, tp: int, pp: int, local_batch: int) -> None:
+        lc = self.loss_chunks
+        if isinstance(lc, bool) or not isinstance(lc, int) or lc < 1:
+            raise ValueError(f"--loss-chunks {lc!r} must be an int >= 1 (1: the whole loss at once)")
         lp = self.low_precision_layers
         if lp is not None:
             if isinstance(lp, bool) or not isinstance(lp, int) or lp < 0:

@@ -31,7 +31,8 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-__all__ = ["GPUProfile", "PROFILES", "UNCALIBRATED", "get_profile", "load_profile", "validate_profile"]
+__all__ = ["GPUProfile", "PROFILES", "UNCALIBRATED", "HOST_LINK_BW", "HOST_LINK_DEFAULT", "get_profile",
+           "load_profile", "validate_profile"]
 
 GB = 1e9
 GiB = 2**30
@@ -103,6 +104,14 @@ SPECS = {
     # MI325X: the MI300X's compute (1,307 TFLOP/s dense bf16) with 256 GB HBM3E at 6 TB/s
     "mi325x": (256 * GB, 1307e12, 6.0e12, 448 * GB, 50 * GB, 8),
 }
+
+# host <-> device bandwidth one way (activation offload): PCIe Gen5 x16 (64 GB/s) on H100 /
+# H200 / B200 / MI300X hosts, Gen4 x16 (32 GB/s) on A100, NVLink-C2C (450 GB/s each way) on
+# GB200; taken at 80% of the link (DMA copies of pinned memory reach about that; assumed)
+HOST_LINK_BW = {name: 0.8 * bw for name, bw in (("h100", 64e9), ("h100-gt", 64e9), ("h200", 64e9), ("a100", 32e9),
+                                                ("b200", 64e9), ("b200-1000w", 64e9), ("gb200", 450e9),
+                                                ("mi300x", 64e9), ("mi325x", 64e9))}
+HOST_LINK_DEFAULT = 0.8 * 32e9  # a custom profile: PCIe Gen4 x16
 
 PROFILES: dict[str, GPUProfile] = {
     name: GPUProfile(name, *spec, efficiency=EFFICIENCY[name], **_R) for name, spec in SPECS.items() if name in EFFICIENCY}

@@ -25,7 +25,7 @@ from .mesh import Mesh, candidate_meshes
 from .options import (AC_MODES, BLACKWELL_RECIPES, MAX_GPUS, WIRE_LOCAL_BYTES, Recipe, feedback_bytes, residual_bytes_per_element,
                       wire_bytes_per_element)
 from .pipeline import bubble, in_flight, stage_layers
-from .profiles import GPUProfile
+from .profiles import HOST_LINK_BW, HOST_LINK_DEFAULT, GPUProfile
 from .tensor_parallel import tp_block_comm
 from .timing import TimeInputs, newton_schulz_flops, step_time
 from .uncertainty import uncertainty
@@ -216,6 +216,10 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
         moe = bool(arch.moe_layers) and layer_idx >= arch.layers - arch.moe_layers
         saved.append(saved_bytes_per_token(arch, tensors, moe, sc.act_ckpt, layer_idx, cb, mesh.tp, rc.compile)
                      * tokens)
+        if rc.act_offload:  # the copy out (forward) and back (backward) waits where it outlasts the block
+            move = saved[-1] / HOST_LINK_BW.get(prof.name, HOST_LINK_DEFAULT)
+            comp_f[-1] += max(0.0, move - f)
+            comp_b[-1] += max(0.0, move - b)
         work = max(work, saved_bytes_per_token(arch, tensors, moe, "none", layer_idx, cb, mesh.tp, rc.compile)
                    * tokens)
         att_f = gf.attention / mesh.tp / attention_rate(prof, sc.seq, mesh.cp, cb == 4) if gf.attention else 0.0
@@ -231,9 +235,12 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     held = in_flight(rc.pp_schedule, pp, rc.pp_virtual, stage, m_count)
     if pp > 1:
         saved = [x * held for x in saved]
+    if rc.act_offload:  # on the device: the block being copied and the one prefetched, as working memory
+        work += 2 * max(saved, default=0.0)
+        saved = [0.0] * len(saved)
     per_logit = (LOSS_BYTES_PER_LOGIT_COMPILED if rc.loss_compiled else
                  LOSS_BYTES_PER_LOGIT_PARALLEL if mesh.tp > 1 else LOSS_BYTES_PER_LOGIT)
-    loss = tokens * arch.vocab / mesh.tp * (per_logit - 2 + cb) if has_head else 0.0
+    loss = tokens / rc.loss_chunks * arch.vocab / mesh.tp * (per_logit - 2 + cb) if has_head else 0.0
     kept = {len(L) - 1} if has_head else set()  # norm + head: not resharded after forward (torchtitan)
     reshard = sc.reshard_after_forward and pp == 1  # torchtitan keeps PP stages unsharded across microbatches
     mi = MemoryInputs(layouts=L, kept=kept, root=None, act_saved=saved, act_work=work, loss_bytes=loss,
