@@ -17,7 +17,7 @@ from ragged_fsdp.sim.bands import band_for, groups_of, load_bands
 from ragged_fsdp.sim.calibrate_gpu import calibrate_device
 from ragged_fsdp.sim.mesh import parse_mesh
 from ragged_fsdp.sim.options import Recipe
-from ragged_fsdp.sim.profiles import PROFILES, UNCALIBRATED, get_profile
+from ragged_fsdp.sim.profiles import PROFILES, UNCALIBRATED, get_profile, profile_sources
 from ragged_fsdp.sim.simulate import Scenario, simulate
 
 RECORD = Path(__file__).resolve().parents[1] / "docs" / "data" / "sim_validation.json"
@@ -67,6 +67,9 @@ def test_every_builtin_gpu_has_its_own_fit_point():
         pid = fitted.FIT_POINTS[f"efficiency:{name}"]
         assert pts[pid]["gpu"] == name and pts[pid]["role"] == "fit", name
         assert PROFILES[name].efficiency == fitted.EFFICIENCY[name]
+        # the profile names the source of every number in it
+        src = profile_sources(PROFILES[name])
+        assert pid in src["efficiency"] and src["hbm_bytes, flops, mem_bw, nvlink_bw, net_bw, gpus_per_node"]
 
 
 def test_gpu_without_evidence_is_refused_or_flagged(capsys):
@@ -78,6 +81,7 @@ def test_gpu_without_evidence_is_refused_or_flagged(capsys):
     # with the efficiency supplied: it runs, flagged uncalibrated, and prints no band
     prof = get_profile("mi325x", efficiency=0.3)
     assert prof.efficiency == 0.3 and prof.hbm_bytes == 256e9
+    assert "no evidence" in profile_sources(prof)["efficiency"]
     sc = Scenario("llama3-8b", 8, prof, parse_mesh("dp=8", 8), "adamw", "bf16", 8192, 1, "op", None)
     u = simulate(sc, ("fsdp2",))[0].uncertainty
     assert "uncalibrated" in u["terms"]["GEMM efficiency"] and u["band"]["low"] is None

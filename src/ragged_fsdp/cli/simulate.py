@@ -30,7 +30,7 @@ from ..models.catalog import list_models
 from ..sim.mesh import Mesh, parse_mesh
 from ..sim.options import (AC_MODES, FLOAT8_RECIPES, GRAD_WIRES, MAX_GPUS, MOE_DISPATCHERS, PP_SCHEDULES, Recipe,
                            check_finite)
-from ..sim.profiles import PROFILES, UNCALIBRATED, get_profile
+from ..sim.profiles import PROFILES, UNCALIBRATED, get_profile, profile_sources
 from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
 from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
@@ -229,6 +229,7 @@ def run(args) -> int:
         return 2
     if args.json:
         print(json.dumps({"scenario": {"model": args.model, "gpus": args.gpus, "profile": prof.to_json(),
+                                       "profile_sources": profile_sources(prof),
                                        "optimizer": args.optimizer, "dtype": args.dtype, "seq": args.seq,
                                        "micro_batch": args.micro_batch, "act_ckpt": args.act_ckpt,
                                        "recipe": recipe.__dict__},
@@ -262,6 +263,7 @@ def run(args) -> int:
         print()
         print("what the prediction rests on: " + "; ".join(f"{k}: {v}" for k, v in u["terms"].items()))
         print(f"cross-validated error band: {u['validated_error_band']}")
+        print("profile sources: " + "; ".join(f"{k}: {v}" for k, v in profile_sources(prof).items()))
         b = u["band"]
         if b["low"] is not None:
             print("tokens/s/GPU with its band: " + "; ".join(

@@ -32,7 +32,7 @@ from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
 __all__ = ["GPUProfile", "PROFILES", "UNCALIBRATED", "HOST_LINK_BW", "HOST_LINK_DEFAULT", "get_profile",
-           "load_profile", "validate_profile"]
+           "load_profile", "profile_sources", "validate_profile"]
 
 GB = 1e9
 GiB = 2**30
@@ -75,7 +75,7 @@ class GPUProfile:
 
 # efficiency: each built-in profile's own, fitted on a published bf16 run on that GPU
 # (sim/fitted.py says which); none is borrowed from another GPU (issue 56)
-from .fitted import ALLOCATOR_RESERVE, EFFICIENCY
+from .fitted import ALLOCATOR_RESERVE, EFFICIENCY, FIT_POINTS
 
 _R = {"alloc_reserve": ALLOCATOR_RESERVE}
 
@@ -190,3 +190,30 @@ def get_profile(name: str, efficiency: float | None = None) -> GPUProfile:
     raise ValueError(f"unknown GPU profile {name!r}; known: {', '.join(PROFILES)} (no evidence: "
                      f"{', '.join(UNCALIBRATED)}) or a profile "
                      "JSON written by `simulate --calibrate`")
+
+
+_DATA_SHEET = {"h100": "NVIDIA H100 SXM5 data sheet; ConnectX-7 400 Gb/s per GPU",
+               "h100-gt": "torchtitan benchmark files' Hardware section (Grand Teton: 96 GB HBM2e, 2.4 TB/s, 500 W); "
+                          "peak the midpoint of its stated 835-989 TFLOP/s",
+               "h200": "NVIDIA H200 SXM data sheet", "a100": "NVIDIA A100 SXM4 80 GB data sheet, DGX A100 (HDR 200 Gb/s)",
+               "b200": "NVIDIA HGX B200 data sheet", "b200-1000w": "NVIDIA HGX B200 data sheet",
+               "gb200": "NVIDIA GB200 NVL72 data sheet (72 GPUs per NVLink domain)",
+               "mi300x": "AMD Instinct MI300X data sheet", "mi325x": "AMD Instinct MI325X data sheet"}
+
+
+def profile_sources(prof: GPUProfile) -> dict:
+    """Where each number of a built-in profile comes from (a JSON profile carries its own
+    ``sources``, written by the calibration that measured it)."""
+    sheet = _DATA_SHEET.get(prof.name)
+    if sheet is None:
+        return {"all": f"profile {prof.name!r}: supplied or measured (see its JSON's 'sources')"}
+    key = f"efficiency:{prof.name}"
+    eff = (f"fitted on published point {FIT_POINTS[key]} (a run on {prof.name}; sim/data/published_points*.json)"
+           if key in FIT_POINTS and math.isclose(prof.efficiency, EFFICIENCY[prof.name], rel_tol=1e-3) else
+           "supplied (--efficiency); no evidence for this GPU" if key not in FIT_POINTS else "overridden by the caller")
+    return {"hbm_bytes, flops, mem_bw, nvlink_bw, net_bw, gpus_per_node": sheet, "efficiency": eff,
+            "alloc_reserve": f"fitted on published point {FIT_POINTS['allocator_reserve']} (its memory)",
+            "alpha_intra, alpha_inter": "NCCL's orders of magnitude (assumed, not measured)",
+            "overlap": "assumed 1.0 (collectives on their own stream)",
+            "reserved_bytes": "assumed 1.5 GiB (context, NCCL buffers)",
+            "host link (activation offload)": "PCIe / NVLink-C2C data sheet x 0.8 (assumed)"}
