@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ragged_fsdp.quant import BlockFP8
+from ragged_fsdp.agreement import agree
+from ragged_fsdp.quant import MXFP8, BlockFP8
 
 from .comms.device import device_for
 from .core.init import (
@@ -91,10 +92,10 @@ def fully_shard(
     """
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
-    if all_gather_quant is not None and not isinstance(all_gather_quant, BlockFP8):
+    if all_gather_quant is not None and not isinstance(all_gather_quant, (BlockFP8, MXFP8)):
         raise TypeError(
-            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 policy or None, got "
-            f"{type(all_gather_quant).__name__}"
+            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 or ragged_fsdp.MXFP8 policy or None, "
+            f"got {type(all_gather_quant).__name__}"
         )
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -111,6 +112,10 @@ def fully_shard(
         raise NotImplementedError(
             f"fully_shard: offload_policy on a {device.type} mesh is not implemented (host copies "
             "are written for CUDA streams); pass OffloadPolicy()")
+    # every rank gathers the same format, or every rank raises here (not a garbled gather)
+    agree("fully_shard: all_gather_quant", None if all_gather_quant is None else repr(all_gather_quant),
+          group=[dp.shard.host_group] + ([dp.replicate.host_group] if dp.replicate is not None else []),
+          fix="pass the same all_gather_quant (or None) on every rank")
     raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
     params = collect_params(modules, ignored)
