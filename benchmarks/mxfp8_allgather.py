@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 benchmarks/mxfp8_allgather.py --json out.json [--png curves.png]
 
 One launch, gloo CPU ranks; three frameworks train the same model from the same init on the
-same batches, one step each in turn (alternating), ``reshard_after_forward=True``, bf16
+same batches (byte windows of the demo corpus, global batch 8 x 32 at every W), one step
+each in turn (alternating), ``reshard_after_forward=True``, bf16
 compute, fp32 reduction, AdamW:
 
 * ``ragged_fsdp:mxfp8``: ``fully_shard(all_gather_quant=MXFP8(param_filter=...))``, the
@@ -34,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import ragged_fsdp.comm as rcomm
 from ragged_fsdp import MXFP8
+from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
 from ragged_fsdp import fully_shard as ragged_shard
 from ragged_fsdp.models import Llama, LlamaConfig
 from ragged_fsdp.models.moe import MoE, MoEConfig
@@ -73,9 +75,9 @@ def _linear_filter(name: str, p: torch.Tensor) -> bool:
 def build(model_name: str):
     torch.manual_seed(0)
     if model_name == "llama":
-        return Llama(LlamaConfig.tiny(dim=128, n_heads=4, ffn_hidden=352, vocab_size=96, max_seq_len=32))
+        return Llama(LlamaConfig.tiny(dim=128, n_heads=4, ffn_hidden=352, vocab_size=VOCAB_SIZE, max_seq_len=32))
     return MoE(MoEConfig.tiny(dim=64, n_heads=4, ffn_hidden=128, expert_hidden=96, n_experts=4, top_k=2,
-                              fused_experts=True, max_seq_len=32))
+                              fused_experts=True, vocab_size=VOCAB_SIZE, max_seq_len=32))
 
 
 def wrap(fw: str, model, mesh):
@@ -105,15 +107,13 @@ def run(model_name: str, steps: int, seed: int = 0) -> dict:
     opts = {fw: torch.optim.AdamW(m.parameters(), lr=3e-3) for fw, m in models.items()}
     numel = sum(p.numel() for p in build(model_name).parameters())
     out = {fw: {"bytes": [], "loss": []} for fw in FRAMEWORKS}
-    g = torch.Generator().manual_seed(seed)
-    per = 4
+    batches = Batches(load_tokens(), seq_len=32, global_batch=8, seed=seed)
     for step in range(steps):
-        data = torch.randint(0, 96, (per * W, 33), generator=g)
-        mine = data[rank * per:(rank + 1) * per]
+        x, y = batches.local_batch_at(step, rank, W)
         for fw in FRAMEWORKS:  # alternating: each framework one step in turn
             m, opt = models[fw], opts[fw]
             _count[0] = 0
-            loss = m.loss(mine[:, :-1], mine[:, 1:])
+            loss = m.loss(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -131,7 +131,7 @@ def run(model_name: str, steps: int, seed: int = 0) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama,moe")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=80)
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None, help="loss curves (rank 0)")
     a = p.parse_args(argv)
