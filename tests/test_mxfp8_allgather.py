@@ -7,8 +7,8 @@ codes and scales each gather moved are bitwise torchao's quantisation of the ful
 weight, the forward's the row plane and the backward's re-gather the column plane (never
 both), with tail blocks, fused experts in both tilings and a rank holding nothing; training
 (fp32 compute, accumulation over two micro-batches) matches a single-process emulation that
-computes the forward with the row plane and the input gradient with the column plane; HSDP
-and offload gather the same planes; checkpoints hold fp32 masters only; ranks passing
+computes the forward with the row plane and the input gradient with the column plane; HSDP,
+EP and offload gather the same planes; checkpoints hold fp32 masters only; ranks passing
 different policies fail on every rank. Under ``global_order`` a few steps give the same bits
 at every W (the last test compares the launches' files).
 """
@@ -340,7 +340,8 @@ def case_reshard_false_keeps_rows(rank, world):
 
 
 def case_compositions(rank, world):
-    """HSDP (W = 4: 2 replicas x 2 shards) and offload gather the same torchao planes; a
+    """HSDP (W = 4: 2 replicas x 2 shards), EP (W = 4: ep 2 x dp 2) and offload gather the
+    same torchao planes; a
     granularity that would cut a tile is refused; policies that differ across ranks fail on
     every rank."""
     masters = {n: p.detach() for n, p in _build().named_parameters()}
@@ -357,6 +358,8 @@ def case_compositions(rank, world):
             model.loss(t, y).backward()
             _check_against_torchao(seen, masters)
             assert {p for _, p in seen.planes()} == {"rows", "cols"}, (what, kw)
+    if world == 4:
+        _expert_parallel_planes()
     mesh = cpu_mesh(world)
     with pytest.raises(ValueError, match=r"MXFP8.*quantises '.*' .*32x32 tiles.*granularity_fn returned 'row'.*return 'rows:(32|40)'.*MXFP8\(param_filter"):
         _wrap(_build(), mesh, granularity_fn=lambda n, p: "row" if p.dim() >= 2 else None)
@@ -366,6 +369,33 @@ def case_compositions(rank, world):
         pol = MXFP8() if rank == 0 else BlockFP8(tile=(32, 32))
         with pytest.raises(DisagreementError, match=r"all_gather_quant differs across ranks.*MXFP8"):
             fully_shard(_build(), mesh=mesh, all_gather_quant=pol)
+
+
+def _expert_parallel_planes():
+    """EP 2 x dp 2: each layer's EP-local experts (4 of 8, rows 40: whole expert matrices)
+    gather their planes over dp; the bits are torchao's of the EP-local master."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ragged_fsdp.models import MoE, MoEConfig, apply_expert_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    torch.manual_seed(0)
+    model = MoE(MoEConfig.tiny(fused_experts=True, n_experts=8, dim=64, expert_hidden=40))
+    apply_expert_parallel(model, mesh["ep"])
+    masters = {f"layers.{i}.{k}": getattr(layer.feed_forward.experts, k).to_local().detach().clone()
+               for i, layer in enumerate(model.layers) for k in ("w1", "w2", "w3")}
+    seen = Seen()
+    dp_ep = mesh["dp", "ep"]._flatten("dp_ep")
+    for i, layer in enumerate(model.layers):
+        fully_shard(layer.feed_forward.experts, mesh=mesh["dp"], reshard_after_forward=True,
+                    all_gather_quant=MXFP8(on_gathered=seen.at(f"layers.{i}.")))
+        layer.feed_forward.experts.set_gradient_divide_factor(4)
+        fully_shard(layer, mesh=dp_ep)
+    fully_shard(model, mesh=dp_ep)
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    model(tokens).mean().backward()
+    _check_against_torchao(seen, masters)
+    assert sorted(seen.planes()) == sorted((n, p) for n in masters for p in ("rows", "cols"))
 
 
 def case_global_order_bits(rank, world):
