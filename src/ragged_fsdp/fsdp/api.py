@@ -79,6 +79,10 @@ def fully_shard(
     for 2-D weights, whole expert matrices for fused experts whose rows are not a multiple of
     128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
     Gradients and optimizer states are unchanged. The result is the same at every world size.
+    ``all_gather_quant=ragged_fsdp.MXFP8()`` gathers them as MXFP8 (E4M3 codes, one E8M0 scale
+    per 32 elements, in whole 32x32 tiles): the forward's gather moves the row-wise plane, a
+    re-gather in backward the column-wise plane (``docs/fp8.md``). Every rank must pass the
+    same ``all_gather_quant`` (agreed at the call; a mismatch raises on every rank).
 
     ``gradient_reduce=ragged_fsdp.GradientReduce(wire_dtype=torch.int8, error_feedback=True)``
     sends each rank's gradient pieces to their owners in ``wire_dtype`` (bf16; int8 or fp8
