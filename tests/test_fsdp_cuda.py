@@ -234,3 +234,45 @@ def test_cuda_offload_memory(nccl):
     held = {r[0]: r[2] for r in rows}
     assert peak["optimizer_states"] < peak["none"]
     assert held["CPUOffloadPolicy"] < held["none"] and held["offload_to_host between steps"] < held["none"]
+
+
+def test_cuda_mxfp8_planes_bitwise_torchao(nccl):
+    """MXFP8 all-gather on CUDA: the forward's row plane and the backward's column plane are
+    bitwise torchao's ``to_mx`` (eager, on the same device) of the full fp32 master."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp import MXFP8, fully_shard
+    from ragged_fsdp.models.llama import Llama, LlamaConfig
+
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.tiny(dim=96, ffn_hidden=200))  # 200: a tail block in both planes
+    masters = {n: p.detach().cuda() for n, p in model.named_parameters()}
+    seen = []
+
+    def at(prefix):
+        return lambda n, plane, c, s: seen.append((prefix + n, plane, c.clone(), s.clone()))
+
+    for i, block in enumerate(model.layers):
+        fully_shard(block, mesh=mesh, mp_policy=mp, all_gather_quant=MXFP8(on_gathered=at(f"layers.{i}.")),
+                    reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, mp_policy=mp, all_gather_quant=MXFP8(on_gathered=at("")),
+                reshard_after_forward=True)
+    tokens = torch.randint(0, 96, (2, 17)).cuda()
+    model.loss(tokens[:, :-1], tokens[:, 1:]).backward()
+    torch.cuda.synchronize()
+    assert {p for _, p, _, _ in seen} == {"rows", "cols"}
+    for name, plane, codes, scales in seen:
+        w = masters[name]
+        src = w if plane == "rows" else w.t()
+        K = src.shape[-1]
+        s, d = mx.to_mx(F.pad(src, (0, -K % 32)).contiguous(), torch.float8_e4m3fn, 32)
+        d, s = d[..., :K].view(torch.uint8), s.view(torch.uint8)
+        if plane == "cols":
+            d, s = d.t(), s.t()
+        assert codes.is_cuda and torch.equal(codes, d), (name, plane)
+        assert torch.equal(scales, s), (name, plane)

@@ -131,6 +131,23 @@ def test_float8_allgather_halves_block_gathers_and_block_fp8_adds_scales():
         _run(float8_allgather=True)
 
 
+def test_mxfp8_allgather_prices_ragged_gathers_at_one_plane():
+    """--mxfp8-allgather: ragged_fsdp gathers the mxfp8 linears at 1 + 1/32 byte per element
+    (one plane per gather); FSDP2 with torchao's recipe still gathers them in bf16."""
+    from ragged_fsdp.sim.mx_gather import MXFP8_BYTES, gather_itemsize
+
+    assert gather_itemsize("ragged", False, True) == MXFP8_BYTES == 1 + 1 / 32
+    assert gather_itemsize("fsdp2", False, True) is None
+    r = _run(fw=("ragged", "fsdp2"), gpus=256, float8="mxfp8", profile=get_profile("b200"))
+    g = _run(fw=("ragged", "fsdp2"), gpus=256, float8="mxfp8", mxfp8_allgather=True, profile=get_profile("b200"))
+    key = "FSDP total (hidden or not)"
+    assert g["fsdp2"].comm_phases[key] == r["fsdp2"].comm_phases[key]
+    ratio = g["ragged"].comm_phases[key] / r["ragged"].comm_phases[key]
+    assert 0.74 < ratio < 0.83, ratio  # as --float8-allgather: 2 -> ~1.03 of 8 bytes per element
+    with pytest.raises(ValueError, match="--mxfp8-allgather needs --float8 mxfp8"):
+        _run(float8="tensorwise", mxfp8_allgather=True)
+
+
 def test_async_tp_hides_tp_collectives():
     m = Mesh(8, 1, 8)
     van = _run("llama3-70b", 64, m, micro_batch=4, compile=True)

@@ -4,7 +4,7 @@ ragged_fsdp, FSDP2, FSDP1, DeepSpeed ZeRO-3 and Megatron-FSDP, from shapes only.
     python -m ragged_fsdp simulate --model gpt-oss-120b --gpus 1024 --gpu h100 \\
         --optimizer adamw --dtype bf16 --seq 4096 --micro-batch 1 --act-ckpt full \\
         [--mesh dp=1024 | hsdp=128x8 | tp=8,dp=128 | ep=8,dp=128 | pp=8,tp=8,dp=16 | cp=4,dp=256 | auto] \\
-        [--compile] [--float8 tensorwise|rowwise|mxfp8|nvfp4 [--float8-allgather]] [--async-tp] \\
+        [--compile] [--float8 tensorwise|rowwise|mxfp8|nvfp4 [--float8-allgather | --mxfp8-allgather]] [--async-tp] \\
         [--moe-dispatcher standard|deepep] [--moe-imbalance 1.1] \\
         [--pp-schedule 1f1b|interleaved_1f1b|zero_bubble] [--microbatches M] \\
         [--grad-wire bf16|int8|fp8 [--grad-wire-ef]] \\
@@ -92,6 +92,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--float8-allgather", action="store_true",
                    help="all-gather the float8 linears' weights in 1 byte (FSDP2: torchao float8; ragged_fsdp: "
                         "its BlockFP8, 1 byte + an fp32 scale per 128x128 tile)")
+    p.add_argument("--mxfp8-allgather", action="store_true",
+                   help="with --float8 mxfp8: ragged_fsdp gathers those linears' weights as MXFP8 (1 + 1/32 byte "
+                        "per element, one plane per gather); FSDP2 with torchao's recipe gathers them in bf16")
     p.add_argument("--async-tp", action="store_true", help="TP collectives as collective matmuls (needs tp > 1)")
     p.add_argument("--grad-wire", default=None, choices=GRAD_WIRES,
                    help="ragged_fsdp's gradient_reduce: gradients as bf16 or int8/fp8 codes + per-block scales "
@@ -178,7 +181,7 @@ def run(args) -> int:
         gran = None if args.granularity == "element" else args.granularity
         if args.eager_loss and not args.compile:
             raise ValueError("--eager-loss only applies with --compile (without it the loss is eager already)")
-        recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather,
+        recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather, mxfp8_allgather=args.mxfp8_allgather,
                         async_tp=args.async_tp, pp_schedule=args.pp_schedule, microbatches=args.microbatches,
                         pp_virtual=args.pp_virtual_stages, grad_wire=args.grad_wire,
                         grad_wire_ef=args.grad_wire_ef, grad_wire_residual=args.grad_wire_residual,

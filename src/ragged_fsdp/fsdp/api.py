@@ -21,7 +21,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
-from ragged_fsdp.quant import BlockFP8
+from ragged_fsdp.agreement import agree
+from ragged_fsdp.quant import MXFP8, BlockFP8
 
 from .comms.device import device_for
 from .core.init import (
@@ -78,6 +79,10 @@ def fully_shard(
     for 2-D weights, whole expert matrices for fused experts whose rows are not a multiple of
     128), and the gathered weights are dequantised into ``mp_policy.param_dtype`` for compute.
     Gradients and optimizer states are unchanged. The result is the same at every world size.
+    ``all_gather_quant=ragged_fsdp.MXFP8()`` gathers them as MXFP8 (E4M3 codes, one E8M0 scale
+    per 32 elements, in whole 32x32 tiles): the forward's gather moves the row-wise plane, a
+    re-gather in backward the column-wise plane (``docs/fp8.md``). Every rank must pass the
+    same ``all_gather_quant`` (agreed at the call; a mismatch raises on every rank).
 
     ``gradient_reduce=ragged_fsdp.GradientReduce(wire_dtype=torch.int8, error_feedback=True)``
     sends each rank's gradient pieces to their owners in ``wire_dtype`` (bf16; int8 or fp8
@@ -91,10 +96,10 @@ def fully_shard(
     """
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
-    if all_gather_quant is not None and not isinstance(all_gather_quant, BlockFP8):
+    if all_gather_quant is not None and not isinstance(all_gather_quant, (BlockFP8, MXFP8)):
         raise TypeError(
-            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 policy or None, got "
-            f"{type(all_gather_quant).__name__}"
+            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 or ragged_fsdp.MXFP8 policy or None, "
+            f"got {type(all_gather_quant).__name__}"
         )
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     if not modules:
@@ -111,6 +116,10 @@ def fully_shard(
         raise NotImplementedError(
             f"fully_shard: offload_policy on a {device.type} mesh is not implemented (host copies "
             "are written for CUDA streams); pass OffloadPolicy()")
+    # every rank gathers the same format, or every rank raises here (not a garbled gather)
+    agree("fully_shard: all_gather_quant", None if all_gather_quant is None else repr(all_gather_quant),
+          group=[dp.shard.host_group] + ([dp.replicate.host_group] if dp.replicate is not None else []),
+          fix="pass the same all_gather_quant (or None) on every rank")
     raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
     params = collect_params(modules, ignored)

@@ -34,6 +34,8 @@ class Event:
     early: bool = False  # reduce_scatter: issued before the group's post-backward
     params: tuple[str, ...] = ()  # the parameters the buffer holds
     sent: int | None = None  # reduce_scatter: bytes this rank sends for it (None for the other kinds)
+    wire: int | None = None  # an MXFP8 all_gather: bytes it moves into this rank (codes + scales, own share included)
+    plane: str | None = None  # an MXFP8 all_gather: the plane it moved, "rows" (forward) or "cols" (backward)
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Trace:
         for e in self.events:
             phase = "backward" if e.backward else "forward"
             sent = "" if e.sent is None else f"{e.sent / 2**20:.3f}"
+            if e.wire is not None:  # MXFP8: what the gather moved, and which plane
+                sent, phase = f"{e.wire / 2**20:.3f}", f"{phase} ({e.plane} plane)"
             rows.append(f"{e.kind + (' (early)' if e.early else ''):<22} {e.buffer:<24} {e.bytes / 2**20:>9.3f} "
                         f"{sent:>9}  {phase}")
         return "\n".join(rows)
@@ -75,14 +79,15 @@ def active() -> bool:
     return bool(_open)
 
 
-def record(kind: str, unit, nbytes: int, early: bool = False, sent: int | None = None) -> None:
+def record(kind: str, unit, nbytes: int, early: bool = False, sent: int | None = None,
+           wire: int | None = None, plane: str | None = None) -> None:
     """Append an event for ``unit`` (a :class:`~ragged_fsdp.fsdp.core.unit.Unit`) to every open trace."""
     if not _open:
         return
     group = unit.group_name()
     ev = Event(kind, f"{group}#{unit.index}", group, unit.index, int(nbytes),
                in_backward(), early, tuple(i.fqn for i in unit.infos),
-               None if sent is None else int(sent))
+               None if sent is None else int(sent), None if wire is None else int(wire), plane)
     for t in _open:
         t.events.append(ev)
 

@@ -111,6 +111,7 @@ class Recipe:
     compile_loss: bool | None = None
     float8: str | None = None  # None, "tensorwise" or "rowwise"
     float8_allgather: bool = False
+    mxfp8_allgather: bool = False  # ragged_fsdp's MXFP8() gather of the mxfp8 linears (sim/mx_gather.py)
     async_tp: bool = False
     pp_schedule: str = "1f1b"
     microbatches: int | None = None  # None: one sequence per microbatch (torchtitan's default size 1)
@@ -181,6 +182,8 @@ class Recipe:
         if self.float8_allgather and self.float8 in BLACKWELL_RECIPES:
             raise ValueError(f"--float8-allgather: torchao's float8 all-gather supports the tensorwise recipe only; "
                              f"{self.float8} communicates in bf16. Drop --float8-allgather")
+        if self.mxfp8_allgather and self.float8 != "mxfp8":
+            raise ValueError("--mxfp8-allgather needs --float8 mxfp8 (ragged_fsdp gathers those linears as MXFP8)")
         if self.float8_allgather and self.float8 is None:
             raise ValueError("--float8-allgather needs --float8 tensorwise (the weights it gathers are float8)")
         if self.float8_allgather and self.float8 == "rowwise":

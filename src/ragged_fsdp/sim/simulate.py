@@ -15,6 +15,7 @@ from .arch import Arch, resolve_model
 from .breakdown import breakdown
 from .buffers import DIFFERENCES
 from .activations import saved_bytes_per_token
+from .mx_gather import gather_itemsize
 from .compute import _is_routed, attention_rate, compute_times, group_flops, is_fp8_linear, tp_feed
 from .moe import DEFAULT_IMBALANCE, a2a_calls, deepep_buffer_bytes, moe_layer_cost
 from .context import ring_exposed
@@ -46,8 +47,6 @@ DEFAULT_GRANULARITY = {"adamw": None, "adamw8bit": "block:256", "muon": None}
 # built-in profiles without MXFP8 / NVFP4 tensor cores (custom JSON profiles are trusted)
 NO_BLOCK_SCALED = {"h100", "h100-gt", "h200", "a100", "mi300x", "mi325x"}
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# torchao BlockFP8-style all-gather of ragged_fsdp: 1-byte codes + one fp32 scale per 128x128 tile
-BLOCK_FP8_BYTES = 1 + 4 / (128 * 128)
 # bytes per logit element at the loss: bf16 logits, their fp32 copy, log-softmax output and
 # its gradient; MemTracker measured 11.7 here (bf16, N=2048, V=8192, torch 2.13 CPU)
 LOSS_BYTES_PER_LOGIT = 12
@@ -190,7 +189,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
     saved, comp_f, comp_b, gcb = [], [], [], []
     work = tp_exp = tp_tot = cp_exp = cp_tot = 0.0
     layer_idx = first_layer
-    fp8_gather = 1.0 if fw == "fsdp2" else BLOCK_FP8_BYTES if fw == "ragged" else None
+    fp8_gather = gather_itemsize(fw, rc.float8_allgather, rc.mxfp8_allgather)
     imb = rc.moe_imbalance if rc.moe_imbalance is not None else DEFAULT_IMBALANCE
     moe_layers_here = 0
     mc = moe_layer_cost(prof, tokens, arch.top_k, arch.experts, arch.hidden, cb, mesh.ep, rc.moe_dispatcher, imb) \
@@ -208,7 +207,7 @@ def _stage_result(fw: str, sc: Scenario, arch: Arch, stage: int, groups, gran, m
                              extra_b=mc.permute_b if routed else 0.0)
         comp_f.append(f)
         comp_b.append(b)
-        frac = _fp8_fraction(tensors) if rc.float8_allgather and fp8_gather else 0.0
+        frac = _fp8_fraction(tensors) if fp8_gather else 0.0
         gcb.append(cb * (1 - frac) + (fp8_gather or cb) * frac)
         if not is_layer or is_exp:
             saved.append(0.0)

@@ -36,7 +36,7 @@ def fp8_granularity(policy: BlockFP8, name: str, shape, requested: Granularity |
             f"fully_shard: all_gather_quant={policy!r} quantises {name!r} (shape {tuple(shape)}) in "
             f"whole {policy.tile[0]}x{policy.tile[1]} tiles, but granularity_fn returned {str(requested)!r}, "
             f"which puts rank boundaries inside tiles; return {g.granularity!r} (or a multiple of it, "
-            f"or 'tensor') for this parameter, or leave it out with BlockFP8(param_filter=...)"
+            f"or 'tensor') for this parameter, or leave it out with {type(policy).__name__}(param_filter=...)"
         )
     return requested
 

@@ -238,7 +238,7 @@ class ParamGroup:
                 # the optimizer's event (a quantised gather allocates ahead: compute order)
                 if event is not None and not from_kept and not u.buf.quant and not u.buf.aliased:
                     self.dev.order_after(event, "all_gather")
-                pend.append(u.gather(self.dev, from_kept))
+                pend.append(u.gather(self.dev, from_kept, for_backward))
         self._gathering = [p for p in pend if p is not None]
         self._gathered_now = todo
 

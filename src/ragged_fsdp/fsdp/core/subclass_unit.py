@@ -249,7 +249,8 @@ class SubclassUnit(Unit):
                 )
         self._sizes = [[tuple(p) for p in row] for row in rows]
 
-    def gather(self, dev: Device, from_kept: bool) -> Pending | None:
+    def gather(self, dev: Device, from_kept: bool, for_backward: bool = False) -> Pending | None:
+        # (for_backward picks an MXFP8 plane in Unit.gather; a subclass gathers what its hooks return)
         if from_kept:
             raise NotImplementedError("tensor-subclass parameters with reshard_after_forward=<int>")
         comm, W, r = self.comm, self.comm.world_size, self.comm.rank

@@ -40,6 +40,7 @@ from ragged_fsdp.dbuffer import DBuffer
 from .. import tracing as trace
 from ..comms.collectives import Comm, all_gather
 from ..comms.device import Device, Pending
+from ..comms.mx_gather import MXState, mx_all_gather, mx_wire_bytes
 from ..comms.quant_gather import quant_all_gather
 from ..comms.wire_reduce import WireState
 from ..comms.custom import CommHooks
@@ -141,21 +142,28 @@ class Unit:
         return self.buf.layout.total * self.buf.compute_dtype.itemsize
 
     # -- gather / free -----------------------------------------------------------------
-    def gather(self, dev: Device, from_kept: bool) -> Pending | None:
+    def gather(self, dev: Device, from_kept: bool, for_backward: bool = False) -> Pending | None:
         """Issue the all-gather of the unsharded buffer (None: nothing to gather, the
         unsharded buffer is the sharded segment). ``from_kept``: from the parts the ranks
-        of ``post_forward_comm`` kept after forward."""
+        of ``post_forward_comm`` kept after forward. ``for_backward``: an MXFP8 buffer then
+        moves its column plane (the input gradient's), else its row plane."""
         buf = self.buf
         custom = self.hooks.all_gather
+        plane = None
         if from_kept:
             p = all_gather(dev, self.post_forward_comm, buf, inp=self.kept, custom=custom)
+        elif isinstance(buf.quant, MXState):  # MXFP8: one plane per gather
+            plane = "cols" if for_backward else "rows"
+            staged = self.offload.stage(self) if self.offload is not None else None
+            p = mx_all_gather(dev, self.comm, buf, plane, after=staged)
         elif buf.quant:
             p = quant_all_gather(dev, self.comm, buf)
         else:
             staged = self.offload.stage(self) if self.offload is not None else None
             p = all_gather(dev, self.comm, buf, custom=custom, after=staged)
         if p is not None:
-            trace.record("all_gather", self, self.unsharded_bytes())
+            wire = mx_wire_bytes(buf, plane) if plane else None
+            trace.record("all_gather", self, self.unsharded_bytes(), wire=wire, plane=plane)
         return p
 
     def attach_offload(self, offload: HostSide) -> None:

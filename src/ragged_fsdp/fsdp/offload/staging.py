@@ -28,6 +28,7 @@ import weakref
 import torch
 
 from ragged_fsdp.dbuffer import DBuffer
+from ragged_fsdp.quant.mxfp8 import MXFP8
 
 from .. import tracing as trace
 from ..comms.device import Device, Pending
@@ -106,10 +107,11 @@ class UnitOffload:
 
 def attach(group: ParamGroup, policy: OffloadPolicy) -> None:
     """Give every unit of ``group`` its host side and move what lives on the host there."""
-    if policy.params and group.all_gather_quant is not None:
+    if policy.params and group.all_gather_quant is not None and not isinstance(group.all_gather_quant, MXFP8):
         raise NotImplementedError(
             "fully_shard: offload_policy with params=True and all_gather_quant together are not "
-            "implemented (the fp8 gather quantises the device segment); drop one of them")
+            "implemented (the block-fp8 gather quantises the device segment; MXFP8() composes with it); "
+            "drop one of them")
     for u in group.units:
         if not isinstance(u.buf, DBuffer):
             raise NotImplementedError(
