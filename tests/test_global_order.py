@@ -10,6 +10,13 @@ with plain torch (autograd's own accumulation of the V backward passes, ``math.f
 the norm): bitwise because the mode adds the micro-batches in autograd's order, one fp32
 add each, and the norm's exact sum rounds once. The W=4 launch saves a checkpoint after
 step 2; the others load it and continue: bitwise W=4's continuation.
+
+The step's state between micro-steps (issue 51), in every launch: a partial step (a break,
+a micro-step that raised and was skipped, a partial step followed by a full one) is refused
+at the optimizer step and the next forward until ``abort_step``, after which the run equals
+a straight one bitwise; a checkpoint between micro-steps is refused and the step goes on
+unharmed; a separately wrapped head run in every other micro-step equals a single-process
+run bitwise; ``total_norm`` counts an ``ignored_params`` gradient once (against ``math.fsum``).
 """
 
 from __future__ import annotations
@@ -274,10 +281,16 @@ def _expect_boundary(fn, *needles):
         assert n in str(err), (n, str(err))
 
 
-def _straight(world, steps=2):
-    model, opt = _small(world)
-    _train(model, opt, range(steps))
-    return _full_params(model)
+_STRAIGHT: dict = {}
+
+
+def _straight(world):
+    """The parameters after steps 0 and 1 run straight (SGD), once per launch."""
+    if world not in _STRAIGHT:
+        model, opt = _small(world)
+        _train(model, opt, range(2))
+        _STRAIGHT[world] = _full_params(model)
+    return _STRAIGHT[world]
 
 
 def _same_params(a, b, what):

@@ -10,7 +10,11 @@
 * ``gradient_reduce`` is agreed across ranks at ``fully_shard``: a mismatch raises on every
   rank, naming the setting, the field and each rank's value (also between HSDP replicas);
 * ``trace()``'s ``sent`` is what each reduction puts on the wire, against a hand count of
-  codes and scales.
+  codes and scales;
+* the residual in ``state_dict()`` is the live one: in-place ``load_local`` and ``dcp.load``
+  resume bitwise; a load without one zeroes it with a warning; ``rescale_residual``
+  refuses a non-finite, non-positive or rank-dependent factor on every rank; a residual a
+  raised backward staged is refused at the optimizer step.
 
 The references are plain single-process computations (counts of non-finite elements, a run
 without the bad batch, block counts from the layout's tensor stretches), not the engine's
