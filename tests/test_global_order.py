@@ -10,6 +10,13 @@ with plain torch (autograd's own accumulation of the V backward passes, ``math.f
 the norm): bitwise because the mode adds the micro-batches in autograd's order, one fp32
 add each, and the norm's exact sum rounds once. The W=4 launch saves a checkpoint after
 step 2; the others load it and continue: bitwise W=4's continuation.
+
+The step's state between micro-steps (issue 51), in every launch: a partial step (a break,
+a micro-step that raised and was skipped, a partial step followed by a full one) is refused
+at the optimizer step and the next forward until ``abort_step``, after which the run equals
+a straight one bitwise; a checkpoint between micro-steps is refused and the step goes on
+unharmed; a separately wrapped head run in every other micro-step equals a single-process
+run bitwise; ``total_norm`` counts an ``ignored_params`` gradient once (against ``math.fsum``).
 """
 
 from __future__ import annotations
@@ -219,7 +226,275 @@ def case_refuses_expert_parallel(rank, world):
         global_order(model, micro_batches=V)
 
 
-CASES = [case_train, case_hsdp, case_checkpoint, case_refusals, case_refuses_expert_parallel]
+# -- the step's state between micro-steps (issue 51: findings 1-5) -------------------------
+
+class Boom(torch.autograd.Function):
+    """Identity whose backward raises while ``armed[0]`` (after the blocks above it reduced)."""
+
+    armed = [False]
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if Boom.armed[0]:
+            raise RuntimeError("simulated fault in backward")
+        return g
+
+
+def _small(world, boom=False):
+    """The tiny Llama (SGD, global order V): with ``boom``, block 0's output goes through
+    :class:`Boom` (a fault in backward after block 1 and the head folded their pieces)."""
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(_cfg())
+    if boom:
+        model.layers[0].register_forward_hook(lambda m, i, o: Boom.apply(o))
+    for block in model.layers:
+        fully_shard(block, mesh=_mesh(world))
+    fully_shard(model, mesh=_mesh(world))
+    global_order(model, micro_batches=V)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _micro(model, step, j):
+    model.loss(*_micro_batch(step, j)).backward()
+
+
+def _full_params(model):
+    return {k: _full(p.detach()).clone() for k, p in model.named_parameters()}
+
+
+def _expect_boundary(fn, *needles):
+    """``fn`` raises StepBoundaryError (a checkpoint save raises its own error, caused by it)."""
+    from ragged_fsdp.fsdp import StepBoundaryError
+
+    with pytest.raises(Exception) as e:
+        fn()
+    err = e.value if isinstance(e.value, StepBoundaryError) else e.value.__cause__
+    assert isinstance(err, StepBoundaryError), repr(e.value)
+    for n in needles:
+        assert n in str(err), (n, str(err))
+
+
+_STRAIGHT: dict = {}
+
+
+def _straight(world):
+    """The parameters after steps 0 and 1 run straight (SGD), once per launch."""
+    if world not in _STRAIGHT:
+        model, opt = _small(world)
+        _train(model, opt, range(2))
+        _STRAIGHT[world] = _full_params(model)
+    return _STRAIGHT[world]
+
+
+def _same_params(a, b, what):
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{what}: {k} off by {(a[k] - b[k]).abs().max().item():.3e}"
+
+
+def case_partial_step_is_refused(rank, world):
+    """Finding 1: a step that stops early (a break) and goes on: the optimizer step raises
+    on every rank (naming the units and abort_step), so does the next forward; after
+    ``abort_step`` + ``zero_grad`` the run equals one that never saw the partial step. A
+    partial step followed by a full one without an optimizer step between is caught too."""
+    from ragged_fsdp import abort_step
+    from ragged_fsdp.fsdp import deterministic as det
+
+    want = _straight(world)
+    for variant in ("step_after_break", "no_step_between"):
+        model, opt = _small(world)
+        mine = det.micro_batches(model)
+        for j in mine[:-1]:  # the last micro-step never runs (end of data, a break)
+            _micro(model, 7, j)
+        if variant == "step_after_break":
+            _expect_boundary(opt.step, "step() in the middle of a step", f"{len(mine) - 1} of its {len(mine)}",
+                             "abort_step", "layers.0")
+            _expect_boundary(lambda: model.loss(*_micro_batch(0, mine[0])), "broken", "abort_step")
+        else:
+            opt.zero_grad()
+            for j in mine:  # a full step on top of the partial one: its sums mixed two steps
+                _micro(model, 0, j)
+            _expect_boundary(opt.step, "partial")
+        abort_step(model)
+        opt.zero_grad()
+        _train(model, opt, range(2))
+        _same_params(_full_params(model), want, variant)
+
+
+def case_micro_step_that_raised(rank, world):
+    """Finding 2: a micro-step's forward or backward raises, is caught, and the loop goes
+    on. Forward (nothing folded): skipping the micro-batch leaves the step short and the
+    optimizer step refuses it; running it again gives the straight run's bits. Backward,
+    after block 1 and the head folded their pieces: the next forward refuses the broken
+    step; after ``abort_step`` the step runs again and equals the straight run."""
+    from ragged_fsdp import abort_step
+    from ragged_fsdp.fsdp import deterministic as det
+
+    want = _straight(world)
+    for where in ("forward_skip", "forward_retry", "backward"):
+        model, opt = _small(world, boom=where == "backward")
+        mine = det.micro_batches(model)
+        fail = [True]
+
+        def bad_forward(m, i):
+            if fail[0]:
+                fail[0] = False
+                raise RuntimeError("simulated fault in forward")
+
+        handle = model.layers[1].register_forward_pre_hook(bad_forward) if where != "backward" else None
+        Boom.armed[0] = where == "backward"
+        for k, j in enumerate(mine):
+            try:
+                _micro(model, 0, j)
+            except RuntimeError as e:
+                assert "simulated" in str(e) and k == 0, (k, e)
+                Boom.armed[0] = False
+                if where == "forward_retry":
+                    _micro(model, 0, j)
+                if where == "backward":
+                    break
+        if handle is not None:
+            handle.remove()
+        if where == "forward_skip":
+            _expect_boundary(opt.step, "partial", "abort_step")
+        elif where == "backward":
+            _expect_boundary(lambda: _micro(model, 0, mine[1]), "broken", "raised in its backward", "abort_step")
+            _expect_boundary(opt.step, "broken")
+        if where != "forward_retry":
+            abort_step(model)
+            opt.zero_grad()
+            _train(model, opt, range(2))
+        else:
+            det.clip_grad_norm_(model, MAX_NORM)  # as _train does
+            opt.step()
+            opt.zero_grad()
+            _train(model, opt, range(1, 2))
+        _same_params(_full_params(model), want, where)
+
+
+def case_checkpoint_between_micro_steps_is_refused(rank, world):
+    """Finding 4: TrainState / save_local of the model's or the optimizer's state dict
+    between micro-steps raises (naming abort_step), and the step goes on unharmed: the run
+    equals the straight one. At a step boundary the same saves pass."""
+    import ragged_fsdp.checkpoint as ck
+    from ragged_fsdp.fsdp import deterministic as det
+
+    want = _straight(world)
+    model, opt = _small(world)
+    _train(model, opt, range(1))
+    mine = det.micro_batches(model)
+    _micro(model, 1, mine[0])
+    _expect_boundary(lambda: ck.save({"train": ck.TrainState(model, opt)}, "/nonexistent/never"), "state_dict()")
+    _expect_boundary(lambda: ck.save_local(model.state_dict(), "/nonexistent/never"), "partial")
+    _expect_boundary(opt.state_dict, "SGD.state_dict()", "abort_step")
+    _expect_boundary(lambda: det.check_step_boundary(model, "snapshot"), "snapshot in the middle of a step")
+    for j in mine[1:]:
+        _micro(model, 1, j)
+    det.check_step_boundary(model)
+    model.state_dict()
+    opt.state_dict()
+    det.clip_grad_norm_(model, MAX_NORM)  # as _train does
+    opt.step()
+    opt.zero_grad()
+    _same_params(_full_params(model), want, "refused saves in the middle of step 1")
+
+
+class _Trunk(torch.nn.Module):
+    """A trunk every micro-step runs and a head (its own fully_shard) only some run."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(10, 13)
+        self.head = torch.nn.Linear(13, 3)
+        self.out = torch.nn.Linear(13, 1)
+
+    def forward(self, x, use_head):
+        h = torch.tanh(self.body(x))
+        loss = self.out(h).square().mean()
+        return loss + self.head(h).square().mean() if use_head else loss
+
+
+def _trunk_batch(step, j):
+    return torch.randn(4, 10, generator=torch.Generator().manual_seed(100 * step + j))
+
+
+def _uses_head(step, j, world):
+    return (j // world + step) % 2 == 0  # by micro-step: every rank runs the head together
+
+
+def case_unit_unused_in_some_micro_steps(rank, world):
+    """Finding 3: a separately wrapped head that runs in every other micro-step (the first
+    micro-step in one step, the last in the other): the steps equal a single-process run
+    (autograd accumulating the V micro-batches it ran, times 1/V) bitwise, and nothing
+    carries into the next step."""
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.fsdp import deterministic as det
+
+    def build():
+        torch.manual_seed(0)
+        return _Trunk()
+
+    ref = build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = build()
+    fully_shard(model.head, mesh=_mesh(world))
+    fully_shard(model, mesh=_mesh(world))
+    global_order(model, micro_batches=V)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        for j in range(V):
+            ref(_trunk_batch(step, j), _uses_head(step, j, world)).backward()
+        for p in ref.parameters():
+            p.grad.mul_(1.0 / V)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for j in det.micro_batches(model):
+            model(_trunk_batch(step, j), _uses_head(step, j, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        got = _full_params(model)
+        for k, p in ref.named_parameters():
+            assert torch.equal(got[k], p.detach()), (step, k, (got[k] - p.detach()).abs().max().item())
+
+
+def case_norm_counts_replicated_grads_once(rank, world):
+    """Finding 5: a parameter in ``ignored_params`` whose gradient the user all-reduces:
+    ``total_norm`` counts it once (not once per rank), equal to math.fsum over the full
+    gradients (bitwise in fp32: the exact sum rounds once), and ``clip_grad_norm_`` scales by it."""
+    import torch.distributed as dist
+
+    from ragged_fsdp import fully_shard
+    from ragged_fsdp.fsdp import deterministic as det
+
+    torch.manual_seed(0)
+    model = _Trunk()
+    fully_shard(model, mesh=_mesh(world), ignored_params={model.out.weight})
+    x = _trunk_batch(0, rank)
+    model(x, True).backward()
+    g = model.out.weight.grad
+    dist.all_reduce(g)  # the user's own reduction of the ignored parameter: the same on every rank
+    g.div_(world)
+    grads = [_full(p.grad).clone() for p in model.parameters()]
+    want = torch.tensor(math.sqrt(math.fsum(v * v for t in grads for v in t.double().flatten().tolist())),
+                        dtype=torch.float64).to(torch.float32)
+    norm = det.total_norm(model)
+    assert torch.equal(norm, want), (world, norm.item(), want.item(), [type(p.grad) for p in model.parameters()])
+    det.clip_grad_norm_(model, 0.5 * float(want))
+    clipped = [_full(p.grad) for p in model.parameters()]
+    coef = torch.clamp(0.5 * float(want) / (want + 1e-6), max=1.0)
+    for a, b in zip(clipped, grads):
+        assert torch.equal(a, b * coef)
+
+
+CASES = [case_train, case_hsdp, case_checkpoint, case_refusals, case_refuses_expert_parallel,
+         case_partial_step_is_refused, case_micro_step_that_raised, case_checkpoint_between_micro_steps_is_refused,
+         case_unit_unused_in_some_micro_steps, case_norm_counts_replicated_grads_once]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,11 @@
 * ``gradient_reduce`` is agreed across ranks at ``fully_shard``: a mismatch raises on every
   rank, naming the setting, the field and each rank's value (also between HSDP replicas);
 * ``trace()``'s ``sent`` is what each reduction puts on the wire, against a hand count of
-  codes and scales.
+  codes and scales;
+* the residual in ``state_dict()`` is the live one: in-place ``load_local`` and ``dcp.load``
+  resume bitwise; a load without one zeroes it with a warning; ``rescale_residual``
+  refuses a non-finite, non-positive or rank-dependent factor on every rank; a residual a
+  raised backward staged is refused at the optimizer step.
 
 The references are plain single-process computations (counts of non-finite elements, a run
 without the bad batch, block counts from the layout's tensor stretches), not the engine's
@@ -371,9 +375,10 @@ def _resume(rank, world, fmt, path, hsdp=False):
                                         load_local, save, save_local, set_state_dict)
 
     mesh = _mesh(world, hsdp)
-    make_opt = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.05)) if path == "local"
+    sgd = path in ("local", "local_inplace", "dcp_inplace")
+    make_opt = ((lambda m: torch.optim.SGD(m.parameters(), lr=0.05)) if sgd
                 else (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2)))
-    key = (fmt, path == "local", hsdp)
+    key = (fmt, sgd, hsdp)
     if key not in _STRAIGHT:
         m = _model(mesh, fmt)
         opt = make_opt(m)
@@ -391,6 +396,13 @@ def _resume(rank, world, fmt, path, hsdp=False):
         sd = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2)}
         dcp.load(sd, checkpoint_id=d)
         set_state_dict(m2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif path == "dcp_inplace":  # DCP writes into the state dict's tensors; no load_state_dict after
+        dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=d)
+        dcp.load({"model": get_model_state_dict(m2)}, checkpoint_id=d)
+    elif path == "local_inplace":  # the in-place resume the docs show (SGD: no optimizer state)
+        save_local(m.state_dict(), os.path.join(d, "local"))
+        dist.barrier()
+        load_local(m2.state_dict(), os.path.join(d, "local"))
     elif path == "train_state":
         save({"train": TrainState(m, opt)}, d)
         load_latest(d, {"train": TrainState(m2, opt2)})
@@ -409,7 +421,7 @@ def case_resume_is_bitwise_at_the_same_world(rank, world):
     runs = [(fmt, path, False) for fmt in (GradientReduce(torch.int8, True), GradientReduce(torch.int8, True, torch.float32),
                                            GradientReduce(torch.bfloat16, True),
                                            GradientReduce(torch.bfloat16, True, torch.float32))
-            for path in ("dcp", "train_state", "local")]
+            for path in ("dcp", "train_state", "local", "local_inplace", "dcp_inplace")]
     runs.append((GradientReduce(torch.int8, True), "train_state", True))  # HSDP (2, 2): a residual per rank
     for fmt, path, hsdp in runs:
         want, got = _resume(rank, world, fmt, path, hsdp)
@@ -504,11 +516,112 @@ def case_checkpoint_with_and_without_residual(rank, world):
     _remove_dirs()
 
 
+def case_load_without_residual_resets_it(rank, world):
+    """Finding 8: a model that trained with error feedback, loading (strict=False) a save
+    made without it: the residual is zeroed with a ResidualWarning, by ``load_local`` in
+    place and by ``load_state_dict``; the next step then equals a model whose residual was
+    zero (a fresh one loading the same save)."""
+    import os
+    import warnings
+
+    from ragged_fsdp.checkpoint import load_local, save_local
+    from ragged_fsdp.fsdp import ResidualWarning
+
+    mesh = _mesh(world, False)
+    ef = GradientReduce(torch.int8, True)
+    plain = _model(mesh, GradientReduce(torch.int8))
+    _steps(plain, torch.optim.SGD(plain.parameters(), lr=0.05), rank, 0, 2)
+    d = os.path.join(_shared_dir(), "plain")
+    save_local(plain.state_dict(), d)
+    dist.barrier()
+    after = {}
+    for how in ("load_local", "load_state_dict", "fresh"):
+        m = _model(mesh, ef)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        if how != "fresh":
+            _steps(m, opt, rank, 5, 7)  # a residual of its own
+            assert any(v.to_local().any() for k, v in m.state_dict().items() if "_wire_residual_" in k)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if how == "load_local":
+                load_local(m.state_dict(), d, strict=False)
+            else:
+                sd = {k: v for k, v in m.state_dict().items() if "_wire_residual_" not in k}
+                load_local(sd, d, strict=False)
+                m.load_state_dict(sd, strict=False)
+        said = [str(w.message) for w in caught if issubclass(w.category, ResidualWarning)]
+        assert said and all("zero residual" in x for x in said), (how, said)
+        res = [v for k, v in m.state_dict().items() if "_wire_residual_" in k]
+        assert res and not any(v.to_local().any() for v in res), how
+        _steps(m, opt, rank, 2, 3)
+        after[how] = _full(m)
+    for how in ("load_local", "load_state_dict"):
+        for n in after["fresh"]:
+            assert torch.equal(after[how][n], after["fresh"][n]), (how, n)
+    _remove_dirs()
+
+
+def case_rescale_residual_validates_its_factor(rank, world):
+    """Finding 9: nan, inf, 1e39 (over fp32), 0, negative, a bool or a string raise a
+    ValueError naming ``factor`` on every rank, before the residual changes; a factor that
+    differs across ranks is a DisagreementError on every rank; 2.0 doubles it exactly."""
+    from ragged_fsdp.agreement import DisagreementError
+
+    m = _model(_mesh(world, False), GradientReduce(torch.int8, True, torch.float32))
+    _steps(m, torch.optim.SGD(m.parameters(), lr=0.05), rank, 0, 2)
+
+    def residual():
+        return [v.to_local().clone() for k, v in m.state_dict().items() if "_wire_residual_" in k]
+
+    before = residual()
+    for bad in (float("nan"), float("inf"), -float("inf"), 1e39, 0.0, -2.0, True, "2"):
+        with pytest.raises(ValueError, match="factor"):
+            m.rescale_residual(bad)
+    with pytest.raises(ValueError, match="factor"):  # only rank 1's is bad: every rank raises
+        m.rescale_residual(float("nan") if rank == 1 else 2.0)
+    with pytest.raises(DisagreementError, match="rescale_residual"):
+        m.rescale_residual(2.0 if rank == 0 else 4.0)
+    assert all(torch.equal(a, b) for a, b in zip(before, residual()))
+    m.rescale_residual(2.0)
+    assert all(torch.equal(a * 2, b) for a, b in zip(before, residual()))
+
+
+def case_staged_residual_refused_at_the_optimizer_step(rank, world):
+    """Error feedback's step-boundary check: a backward that raised after some buffers
+    staged their residual, then ``opt.step()`` with no forward between: refused (naming
+    reset_iter_state); after ``reset_iter_state()`` the run equals one that skipped the batch."""
+    from ragged_fsdp.fsdp import StepBoundaryError
+
+    fmt = GradientReduce(torch.int8, True)
+    mesh = _mesh(world, False)
+    runs = {}
+    for faulty in (False, True):
+        m = _model(mesh, fmt)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        _steps(m, opt, rank, 0, 1)
+        if faulty:
+            Boom.fault[0] = RuntimeError
+            x, y = _batch(rank, 1)
+            with pytest.raises(RuntimeError, match="simulated"):
+                nn.functional.mse_loss(m(x), y).backward()
+            Boom.fault[0] = None
+            with pytest.raises(StepBoundaryError, match="reset_iter_state"):
+                opt.step()
+            m.reset_iter_state()
+            opt.zero_grad()
+        _steps(m, opt, rank, 2, 4)
+        runs[faulty] = _full(m)
+    for n in runs[False]:
+        assert torch.equal(runs[True][n], runs[False][n]), n
+
+
 CASES = [case_nonfinite_step_does_not_poison_the_residual, case_grad_scaler_recovers,
          case_grad_scaler_scale_change_rescales_the_residual,
          case_recovery_after_backward_fault_is_exact, case_gradient_reduce_agreed_across_ranks,
          case_trace_reports_the_bytes_sent, case_resume_is_bitwise_at_the_same_world,
-         case_resume_at_another_world_starts_from_zero, case_checkpoint_with_and_without_residual]
+         case_resume_at_another_world_starts_from_zero, case_checkpoint_with_and_without_residual,
+         case_load_without_residual_resets_it, case_rescale_residual_validates_its_factor,
+         case_staged_residual_refused_at_the_optimizer_step]
 
 
 @pytest.fixture(scope="module")

@@ -353,6 +353,69 @@ def case_optimizer_built_after_fully_shard(rank, world):
     _raises(StaleOptimizerError, "in param group 1", opt2.step)
 
 
+def case_stale_recheck_compares_parameters(rank, world):
+    """Issue 51 finding 13: a replaced parameter swapped into an existing param group (or
+    appended to one) after the first check, the number of groups unchanged, is refused at
+    the next step."""
+    from ragged_fsdp.fsdp.core.stale_optimizer import StaleOptimizerError
+
+    m, _ = _llama(world)
+    old = nn.Linear(3, 3)
+    stale = old.weight
+    fully_shard(old, mesh=init_device_mesh("cpu", (world,)))
+    for how in ("swap", "append"):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        opt.step()
+        params = opt.param_groups[0]["params"]
+        if how == "swap":
+            params[0] = stale
+        else:
+            params.append(stale)
+        _raises(StaleOptimizerError, "in param group 0", opt.step)
+
+
+class _Lora(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.lora_a = nn.Linear(n, 2, bias=False)
+        self.lora_b = nn.Linear(2, n, bias=False)
+
+
+def case_adapter_added_after_fully_shard(rank, world):
+    """Issue 51 finding 13: a LoRA-style adapter set on a wrapped block after fully_shard is
+    refused at the next forward on every rank, naming the parameter and the fix; so is a
+    bare parameter registered later. Adapters added before fully_shard train, and stay the
+    same on every rank."""
+    from ragged_fsdp.fsdp import LateParameterError
+
+    for late in ("module", "parameter"):
+        m, _ = _llama(world)
+        _backward(m, rank)  # a forward before the adapter came
+        if late == "module":
+            m.layers[0].attention.lora = _Lora(LlamaConfig.tiny().dim)
+            name = "layers.0.attention.lora.lora_a.weight"
+        else:
+            m.layers[1].register_parameter("scale", nn.Parameter(torch.ones(3)))
+            name = "layers.1.scale"
+        err = _raises(LateParameterError, "Add the adapters first and then call fully_shard", lambda: _backward(m, rank))
+        assert repr(name) in str(err), str(err)
+    torch.manual_seed(0)
+    m = Llama(LlamaConfig.tiny())
+    for block in m.layers:
+        block.attention.lora = _Lora(LlamaConfig.tiny().dim)
+        block.attention.register_forward_hook(lambda mod, i, o: o + mod.lora.lora_b(mod.lora.lora_a(i[0])))
+        fully_shard(block, mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(m, mesh=init_device_mesh("cpu", (world,)))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = full(m.layers[0].attention.lora.lora_a.weight).clone()
+    _backward(m, rank)
+    opt.step()
+    w = full(m.layers[0].attention.lora.lora_a.weight)
+    got = [torch.zeros_like(w) for _ in range(world)]
+    torch.distributed.all_gather(got, w)
+    assert not torch.equal(w, before) and all(torch.equal(g, got[0]) for g in got)
+
+
 # -- an all-reduce hook that raises on one rank ------------------------------------------------
 
 def _hooked(mesh):
@@ -412,7 +475,8 @@ CASES_2 = [
     case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
     case_refuse_bad_shard_dims, case_refuse_user_ragged_param,
     case_optimizer_built_before_fully_shard, case_optimizer_built_after_fully_shard,
-    case_all_reduce_hook_raises_on_one_rank,
+    case_all_reduce_hook_raises_on_one_rank, case_stale_recheck_compares_parameters,
+    case_adapter_added_after_fully_shard,
 ]
 
 

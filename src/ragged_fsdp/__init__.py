@@ -3,7 +3,7 @@ from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_t
                    register_fsdp_forward_method)
 from .quant import MXFP8, BlockFP8, GradientReduce
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
-from .fsdp.deterministic import global_order
+from .fsdp.deterministic import abort_step, global_order
 from . import exit as _exit  # registers the exit hook (see ragged_fsdp/exit.py)
 
 __version__ = "0.1.0"
@@ -11,5 +11,5 @@ __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "OffloadPolicy", "offload_to_host", "load_to_device",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
-    "BlockFP8", "MXFP8", "GradientReduce", "global_order", "__version__",
+    "BlockFP8", "MXFP8", "GradientReduce", "global_order", "abort_step", "__version__",
 ]

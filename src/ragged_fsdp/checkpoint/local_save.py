@@ -68,6 +68,8 @@ from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.placement import RaggedDTensor
 
+from ragged_fsdp.fsdp.core.residual_state import is_residual_key, warn_zeroed_residuals
+
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, check_crc32, crc32
 from .local_layout import RunLayout, encode_runs
@@ -555,6 +557,8 @@ def _plan_load(state_dict, path: str, strict: bool, world: int, rank: int):
     copies, sets = [], []
     for key, (value, opath) in flat.items():
         if key not in entries:
+            if is_residual_key(key):  # strict=False, saved without error feedback: a zero residual
+                copies.append((_target_range(key, value)[2], None, key))
             continue
         e = entries[key]
         if e["kind"] in ("object", "rank_object"):
@@ -570,13 +574,13 @@ def _plan_load(state_dict, path: str, strict: bool, world: int, rank: int):
             _, _, flat_dst = _target_range(key, value)
             src = parts.tensor(rank, key) if value.numel() else None
             if src is not None:
-                copies.append((flat_dst, src.reshape(-1)))
+                copies.append((flat_dst, src.reshape(-1), key))
             continue
         _check_tensor(key, value, e["shape"], e["dtype"])
         a, b, dst = _target_range(key, value)
         if e["kind"] == "full":
             if b > a:
-                copies.append((dst, parts.tensor(0, key).reshape(-1)[a:b]))
+                copies.append((dst, parts.tensor(0, key).reshape(-1)[a:b], key))
             continue
         layout = RunLayout(tuple(e["shape"]), tuple(e["dims"]), e["unit"], tuple(map(tuple, e["runs"])))
         try:
@@ -589,7 +593,7 @@ def _plan_load(state_dict, path: str, strict: bool, world: int, rank: int):
                 raise LocalCheckpointCorruptError(
                     f"load_local: saved rank {pc.rank}'s piece of {key!r} is {src.numel()} {src.dtype} elements, "
                     f"its layout needs {pc.src_hi} {e['dtype']}; the part is damaged")
-            copies.append((dst[pc.dst_lo:pc.dst_lo + pc.src_hi - pc.src_lo], src[pc.src_lo:pc.src_hi]))
+            copies.append((dst[pc.dst_lo:pc.dst_lo + pc.src_hi - pc.src_lo], src[pc.src_lo:pc.src_hi], key))
     return copies, sets
 
 
@@ -609,8 +613,14 @@ def load_local(state_dict: dict[str, Any], path: str | os.PathLike, strict: bool
     _agree(err, "load_local")
     copies, sets = plan
     with torch.no_grad():
-        for dst, src in copies:
-            dst.copy_(src)
+        for dst, src, _ in copies:
+            if src is None:
+                dst.zero_()
+            else:
+                dst.copy_(src)
+    zeroed = [key for _, src, key in copies if src is None]
+    if zeroed:
+        warn_zeroed_residuals(zeroed, f"load_local({os.fspath(path)!r})")
     for opath, value in sets:
         box, k = _container(state_dict, opath)
         box[k] = value

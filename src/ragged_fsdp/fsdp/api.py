@@ -125,7 +125,7 @@ def fully_shard(
     params = collect_params(modules, ignored)
     where = param_device(params, device)  # the mesh's device, or meta
     move_buffers(modules, device, where)
-    state = FSDPState(modules, mp_policy, auto_reshard=reshard_after_forward is None)
+    state = FSDPState(modules, mp_policy, auto_reshard=reshard_after_forward is None, ignored=ignored)
     if params:
         placed, answers, error = place_params(params, shard_placement_fn, dp)
         if shard_placement_fn is not None:  # per-parameter meshes: every rank must pick the same
@@ -340,11 +340,11 @@ class FSDPModule(TorchFSDPBase):
         the gradients it was taken from, so when ``torch.amp.GradScaler`` changes its scale
         from ``old`` to ``new``, call ``model.rescale_residual(new / old)`` after
         ``scaler.update()``. Exact for the scaler's powers of two. No-op without error
-        feedback."""
-        for st in self._fsdp_states(recurse):
-            for u in st.group.units if st.group is not None else ():
-                if u.wire is not None and u.wire.residual is not None:
-                    u.wire.residual.rescale(float(factor))
+        feedback. ``factor`` must be finite and positive, and the same on every rank
+        (checked on every rank: a ValueError everywhere otherwise)."""
+        from .core.residual_state import rescale_residuals
+
+        rescale_residuals([st.group for st in self._fsdp_states(recurse) if st.group is not None], factor)
 
     @property
     def dbuffers(self):

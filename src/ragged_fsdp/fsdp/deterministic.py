@@ -17,6 +17,11 @@ every group under the root.
 ``clip_grad_norm_`` / ``total_norm``: the norm of all sharded gradients as an exact sum
 (:func:`exact_sum_of_squares`), the same bits at any ``W`` and any layout. ``mean_loss``:
 the logged loss, the ``V`` micro-batch losses added in increasing ``j``.
+
+``abort_step`` / ``check_step_boundary``: a step's running sums live from its first
+micro-step to its last, so a step that stops early is refused where a step ends (the
+optimizer step, a checkpoint, the next forward of a broken step) until ``abort_step`` drops
+it; see :mod:`.core.step_boundary`.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ from ragged_fsdp.comm import all_gather_single
 
 from .core.global_order import GlobalOrder, check_unit
 from .core.param_group import ParamGroup
+from .core.step_boundary import StepBoundaryError, check
 
 __all__ = ["global_order", "data_rank", "micro_batches", "mean_loss", "total_norm", "clip_grad_norm_",
-           "exact_sum_of_squares"]
+           "exact_sum_of_squares", "abort_step", "check_step_boundary", "StepBoundaryError"]
 
 
 def _groups(model: nn.Module) -> list[ParamGroup]:
@@ -87,6 +93,33 @@ def _agree(dp, micro_batches: int) -> None:
     if got[0] != -got[1]:
         raise ValueError(f"global_order: the data-parallel ranks passed different micro_batches (from {-int(got[1])} "
                          f"to {int(got[0])}; this rank {micro_batches}); pass the same V on every rank")
+
+
+def _root_state(model: nn.Module, who: str):
+    from .api import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise TypeError(f"{who}: expected a module after fully_shard (the root), got {type(model).__name__}")
+    return model._fsdp_state()
+
+
+def abort_step(model: nn.Module) -> None:
+    """Drop the step in progress under ``model``'s root: ``global_order``'s running sums and
+    micro-step count, error feedback's staged residuals, the gradients no reduction took
+    (the step's gradients are lost, as after ``zero_grad()``; the sharded grads a completed
+    step handed out stay until ``zero_grad()``). Call it on every rank, then
+    ``opt.zero_grad()``, when a step stops before its last micro-step (a ``break``, the end
+    of the data, a micro-step that raised); the next micro-step starts a new step. The same
+    as ``model.reset_iter_state()``."""
+    _root_state(model, "abort_step").abort_step(drop_step=True)
+
+
+def check_step_boundary(model: nn.Module, what: str = "check_step_boundary") -> None:
+    """Raise :class:`StepBoundaryError` (naming ``what``, the units and the fix) if
+    ``model``'s root is in the middle of a step: ``global_order`` with a partial or broken
+    step, or error feedback with a residual a raised backward staged. The optimizer step and
+    ``state_dict()`` run it already; call it before saving or snapshotting by other means."""
+    check(_root_state(model, "check_step_boundary"), what)
 
 
 def _order_of(model: nn.Module) -> GlobalOrder:
@@ -191,10 +224,20 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
+def _replicated(g: torch.Tensor) -> bool:
+    """Whether every data-parallel rank holds the whole of ``g`` (a plain tensor: an
+    ``ignored_params`` gradient the user all-reduces; a DTensor replicated on every dim)."""
+    if not isinstance(g, DTensor):
+        return True
+    return all(pl.is_replicate() for pl in g.placements)
+
+
 def total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all of ``model``'s gradients (2 or inf), the same bits at any ``W`` and
     layout; an fp32 scalar. Sums run over the shard dim only (HSDP's replicas hold the same
-    sharded gradients)."""
+    sharded gradients). A gradient every rank holds whole (a parameter in ``ignored_params``,
+    whose gradient the user all-reduces) counts once, from shard rank 0, not once per rank;
+    it must be the same on every rank, as after the user's all-reduce."""
     dp = _dp(model)
     grads = _grads(model)
     group = dp.shard.group if dp.shard.world_size > 1 else None
@@ -208,6 +251,8 @@ def total_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     if float(norm_type) != 2.0:
         raise ValueError(f"total_norm: norm_type must be 2 or inf for a world-size-invariant norm, got {norm_type}")
     count = sum(g.numel() for g in grads)  # a DTensor's numel is its global one
+    if dp.shard.rank != 0:  # shard rank 0 adds the replicated ones, once
+        grads = [g for g in grads if not _replicated(g)]
     return exact_sum_of_squares(grads, count, group).sqrt().to(torch.float32)
 
 

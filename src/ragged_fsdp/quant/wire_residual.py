@@ -31,6 +31,13 @@ steps"):
   backward that completed) makes it the residual, :meth:`Residual.discard` (a backward that
   raised) drops it, so the residual is the one of the last completed backward. The staged
   copy exists from the buffer's reduction to the end of its backward.
+
+The committed residual lives in one flat tensor (and, for int8 storage, one flat run of
+scales padded to :attr:`Residual.scale_width`); its pieces are views into them, and
+:meth:`Residual.commit` copies the staged residual in. So :meth:`Residual.flat` hands out
+the live storage itself: the model's ``state_dict()`` entry is a view of it, and a load that
+writes into the state dict in place (``load_local(model.state_dict(), d)``, ``dcp.load``)
+writes the residual the next step uses.
 """
 
 from __future__ import annotations
@@ -68,10 +75,17 @@ class Residual:
         spans = ((0, rank * S, 0, first), ((rank + 1) * S, W * S, first + n, int(blocks.lengths.numel())))
         self.spans = [s for s in spans if s[1] > s[0]]
         store = fmt.residual_dtype
-        self.values = [torch.zeros(b - a, dtype=store, device=device) for a, b, _, _ in self.spans]
+        total = int(blocks.lengths.numel())
+        # int8 storage: scales per rank in a state dict, the most any rank keeps (equal shapes on every rank)
+        self.scale_width = max(total - k for k in blocks.per_segment) if store is torch.int8 else 0
+        self._values = torch.zeros(sum(b - a for a, b, _, _ in self.spans), dtype=store, device=device)
+        self.values = list(torch.split(self._values, [b - a for a, b, _, _ in self.spans]))
         # int8 storage: the wire scale each piece's codes were taken against
-        self.scales = ([torch.zeros(hi - lo, dtype=torch.float32, device=device) for _, _, lo, hi in self.spans]
-                       if store is torch.int8 else None)
+        self._scales = torch.zeros(self.scale_width, dtype=torch.float32, device=device) if store is torch.int8 else None
+        self.scales = None
+        if self._scales is not None:
+            widths = [hi - lo for _, _, lo, hi in self.spans]
+            self.scales = list(torch.split(self._scales, widths + [self.scale_width - sum(widths)]))[:len(widths)]
         # keep()'s result until commit() or discard() (None: nothing staged)
         self.staged: tuple[list[torch.Tensor], list[torch.Tensor] | None] | None = None
         # non-finite residual elements stored as zero so far (a device tensor: counting
@@ -135,45 +149,47 @@ class Residual:
         return 0 if self.scales is None else sum(hi - lo for _, _, lo, hi in self.spans)
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The committed residual as one run of ``numel`` stored values (and, for int8
-        storage, one of ``n_scales`` scales), the pieces in buffer order: a copy."""
-        empty = torch.zeros(0, dtype=self.fmt.residual_dtype, device=self.dropped.device)
-        values = torch.cat(self.values) if self.values else empty
-        if self.scales is None:
-            return values, None
-        return values, (torch.cat(self.scales) if self.scales else torch.zeros(0, device=self.dropped.device))
+        """The committed residual's storage, not a copy: one run of ``numel`` stored values,
+        the pieces in buffer order (and, for int8 storage, the ``n_scales`` scales padded
+        with zeros to :attr:`scale_width`). Writing into them writes the residual."""
+        return self._values, self._scales
 
     def load_flat(self, values: torch.Tensor | None, scales: torch.Tensor | None = None) -> None:
         """Make ``values`` (and ``scales``), as :meth:`flat` gives them, the committed
-        residual; ``None``: a zero residual."""
+        residual; ``None``: a zero residual. Loading :meth:`flat`'s own tensors is a no-op."""
         self.staged = None
         if values is None:
-            for v in self.values:
-                v.zero_()
-            for sc in self.scales or ():
-                sc.zero_()
+            self._values.zero_()
+            if self._scales is not None:
+                self._scales.zero_()
             return
-        n = 0
-        for v in self.values:
-            v.copy_(values[n:n + v.numel()])
-            n += v.numel()
-        n = 0
-        for sc in self.scales or ():
-            sc.copy_(scales[n:n + sc.numel()])
-            n += sc.numel()
+        for dst, src in ((self._values, values), (self._scales, scales)):
+            if dst is None or src is None or src.data_ptr() == dst.data_ptr():
+                continue
+            dst[:min(dst.numel(), src.numel())].copy_(src.reshape(-1)[:dst.numel()])
 
     def rescale(self, factor: float) -> None:
         """Multiply the residual by ``factor`` (a loss scale changed: the residual is in the
         old scale's units). Exact for a power of two (int8 storage: its scales are
-        multiplied, the codes stay)."""
+        multiplied, the codes stay). ``factor``: finite and positive (checked by the
+        caller); an element that overflows is stored as zero and counted in :attr:`dropped`,
+        as a non-finite residual from a step is."""
         values, scales = self._current()
         for t in scales if scales is not None else values:
             t.mul_(factor)
+            bad = ~torch.isfinite(t)
+            self.dropped += bad.sum()
+            t.masked_fill_(bad, 0.0)
 
     def commit(self) -> None:
-        """The backward that staged a residual completed: it is the residual now."""
+        """The backward that staged a residual completed: it is the residual now (copied
+        into the storage :meth:`flat` hands out)."""
         if self.staged is not None:
-            self.values, self.scales = self.staged
+            values, scales = self.staged
+            for v, new in zip(self.values, values):
+                v.copy_(new)
+            for sc, new in zip(self.scales or (), scales or ()):
+                sc.copy_(new)
             self.staged = None
 
     def discard(self) -> None:

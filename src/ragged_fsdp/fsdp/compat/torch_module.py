@@ -83,8 +83,9 @@ class TorchFSDPBase(_TorchFSDPModule):
         unsharded parameters, drop the unreduced gradients and clear the per-iteration
         trackers of every group under this root (the failed step's gradients are lost, as in
         torch). ragged_fsdp also does this itself when forward raises, and at the next
-        forward after a backward that raised."""
-        self._fsdp_state().abort_step()
+        forward after a backward that raised. Under ``global_order`` it also drops the step
+        in progress (its partial sums): the same as ``ragged_fsdp.abort_step(model)``."""
+        self._fsdp_state().abort_step(drop_step=True)
 
     def _get_fsdp_state(self):
         """ragged_fsdp's FSDPState (torch's ``register_fsdp_forward_method`` calls its

@@ -4,11 +4,22 @@ user's entry point).
 
 A step is ``V`` micro-batches; rank ``d`` of ``W`` data-parallel ranks runs micro-batches
 ``d, d + W, ...`` as its micro-steps ``0 .. V/W - 1``, and every micro-step's backward
-reduces (no ``no_sync``). Each trainable unit keeps one :class:`Fold` while a step is
-running: the fp32 accumulator of its segment, how many micro-steps it folded, and which
-slots got a gradient. The step's last micro-step lands ``acc / V`` in the sharded grads and
-hands them out; the earlier ones leave the sharded grads as they are (like HSDP's
+reduces (no ``no_sync``). The root counts the micro-steps whose backward completed
+(:class:`Step`); each trainable unit keeps one :class:`Fold` while a step is running: the
+fp32 accumulator of its segment, how many micro-steps it folded, and which slots got a
+gradient. The step's last micro-step lands ``acc / V`` in the sharded grads and hands them
+out; the earlier ones leave the sharded grads as they are (like HSDP's
 ``set_requires_all_reduce(False)``).
+
+A unit whose modules did not run in a micro-step (a head used in some micro-steps only)
+folds nothing for it, which is what autograd does on one process for a micro-batch that
+does not reach a parameter; the count is the root's, so the step still ends after its last
+micro-step and the unit's sum lands then (:meth:`..reduction.Reductions.end_micro_step`).
+
+The step's state lives between micro-steps, so it is checked where a step ends
+(:mod:`.step_boundary`): the optimizer step, a checkpoint of the model or optimizer, and
+the next forward after a step was broken all raise while a step is partial, until
+``abort_step()`` (or ``reset_iter_state()``) drops it.
 
 What it refuses, and why (each raises naming the group and the fix):
 
@@ -32,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GlobalOrder", "Fold", "check_unit", "refuse"]
+__all__ = ["GlobalOrder", "Fold", "Step", "check_unit", "refuse"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +71,19 @@ class Fold:
     """One unit's running sum over the micro-steps of the step in progress."""
 
     acc: torch.Tensor  # fp32, one segment
-    done: int  # micro-steps issued into it
+    done: int  # micro-steps folded into it (not counting those the unit did not run in)
     touched: list[bool]  # per slot: got a gradient on this rank in any micro-step
+    name: str  # the unit, for messages
+
+
+@dataclass(eq=False)
+class Step:
+    """A root's place in the step under global order: ``done`` micro-steps of it completed
+    their backward; ``broken``: why the step can no longer land (a backward that raised after
+    some units folded its pieces, a refused optimizer step), until ``abort_step()``."""
+
+    done: int = 0
+    broken: str | None = None
 
 
 def refuse(what: str, group: str, fix: str) -> ValueError:

@@ -49,7 +49,7 @@ from ..comms.landing import land
 from ..comms.ordered_reduce import ordered_reduce
 from ..comms.wire_reduce import wire_reduce_scatter
 from ..comms.custom import HOOK_LANE, checked_alloc, run_all_reduce_hook
-from .global_order import Fold, GlobalOrder, check_unit
+from .global_order import Fold, GlobalOrder, Step, check_unit
 from .mesh_info import DPMesh
 from .unit import Unit
 
@@ -210,6 +210,9 @@ class Reductions:
     issued: list[Reduction] = field(default_factory=list)  # this backward's, to hand out
     hook_failures: list[HookFailure] = field(default_factory=list)  # this backward's, raised at hand-out
     folds: dict[int, Fold] = field(default_factory=dict)  # global order: id(unit) -> the step's running sum
+    step: Step = field(default_factory=Step)  # global order: the micro-steps of the step that completed
+    reduced: set[int] = field(default_factory=set)  # global order: units this backward folded
+    staged: dict[int, Unit] = field(default_factory=dict)  # error feedback: units with a staged residual
 
     # -- the queue ---------------------------------------------------------------------
     def retire(self, keep: int = 0) -> None:
@@ -225,11 +228,33 @@ class Reductions:
 
     def clear(self) -> None:
         """Wait for everything and drop this backward's states (a step that raised). Global
-        order: the step's running sums go too (its micro-steps must all run again)."""
+        order: when the backward that raised had folded some units' pieces, the step's sums
+        are no longer whole: they go, and the step is broken until :meth:`drop_step`; a
+        forward or backward that raised before any unit folded leaves the step as it was (run
+        that micro-step again, or the optimizer step finds it missing)."""
         self.wait_all()
         self.issued = []
         self.hook_failures = []
+        if self.reduced:
+            names = sorted({self.folds[k].name for k in self.reduced if k in self.folds} or {"?"})
+            self.step.broken = (f"micro-step {self.step.done} raised in its backward after {', '.join(names[:4])}"
+                                f"{' ...' if len(names) > 4 else ''} had folded its gradients")
+            self.folds = {}
+        self.reduced = set()
+        self.staged = {}  # the units drop their staged residuals (Unit.drop_grads)
+
+    def drop_step(self) -> None:
+        """``abort_step()``: forget the step in progress (its running sums, its count, why it
+        broke); the next micro-step is the first of a step."""
         self.folds = {}
+        self.reduced = set()
+        self.step = Step()
+
+    def discard_staged(self) -> None:
+        """A backward raised at its end: drop error feedback's staged residuals."""
+        for u in self.staged.values():
+            u.discard_residual()
+        self.staged = {}
 
     def forget(self) -> None:
         """Drop this backward's states without waiting (a backward that raised: its
@@ -275,6 +300,8 @@ class Reductions:
                early: bool = False) -> None:
         """Reduce ``unit``'s gradient buffer ``grad`` over its data-parallel ranks."""
         buf, dp = unit.buf, unit.dp
+        if settings.wire is not None and settings.wire.error_feedback and grad.is_floating_point():
+            self.staged[id(unit)] = unit  # committed at hand-out, discarded when the backward raised
         prev = self._take_earlier(unit)
         if prev is not None:  # late gradients of an early-reduced unit: add them in
             touched = [x or y for x, y in zip(touched, prev.touched)]
@@ -383,30 +410,63 @@ class Reductions:
                 "(a parameter used after its owner module ran), so this micro-step would be folded in two parts; "
                 "wrap the module that uses it in the same fully_shard as its owner")
         dp, order = unit.dp, settings.order
-        steps = order.micro_steps(dp.size)
+        last = self.step.done == order.micro_steps(dp.size) - 1
         fold = self.folds.get(id(unit))
         first = fold is None
         if first:
             fold = self.folds[id(unit)] = Fold(torch.empty(unit.buf.segment, dtype=torch.float32, device=grad.device),
-                                               0, touched)
+                                               0, touched, unit.group_name())
         else:
             fold.touched = [x or y for x, y in zip(fold.touched, touched)]
         fold.done += 1
-        if fold.done < steps:
+        self.reduced.add(id(unit))
+        if not last:
             scatter, second = ordered_reduce(dev, dp.shard, dp.replicate, grad, fold.acc, first, None)
             self.in_flight.append(PartialSum(unit, scatter, (second.wait if second is not None else lambda: None)))
             trace.record("reduce_scatter", unit, fold.acc.numel() * 4, early=early)
             return
         del self.folds[id(unit)]
-        had, existing = unit.existing_grads()
-        if existing:
-            target, accumulate = unit.accumulation_target(existing), True
-        else:
-            target, accumulate = unit.buf.new_sharded_grad(), False
+        target, accumulate, had = self._landing(unit)
         factor = float(settings.divide_factor or order.micro_batches)
         scatter, second = ordered_reduce(dev, dp.shard, dp.replicate, grad, fold.acc, first,
                                          (target, accumulate, factor))
         self._add(Reduction(unit, scatter, target, fold.touched, had, dp, early=early, replicate=second))
+
+    @staticmethod
+    def _landing(unit: Unit) -> tuple[torch.Tensor, bool, list[bool]]:
+        had, existing = unit.existing_grads()
+        if existing:
+            return unit.accumulation_target(existing), True, had
+        return unit.buf.new_sharded_grad(), False, had
+
+    def end_micro_step(self, groups: list) -> None:
+        """Global order, at the end of every backward (before :meth:`hand_out`): one more
+        micro-step of the step completed. A unit this backward did not reduce (its modules
+        did not run) folds nothing for it; on the step's last micro-step its sum lands now,
+        from what it folded (no collective: its pieces are all in), so every unit's step
+        ends together and nothing carries into the next step."""
+        ordered = [(g, u) for g in groups if g.global_order is not None for u in g.units if u.trainable]
+        if not ordered:
+            return
+        reduced, self.reduced = self.reduced, set()
+        g0, u0 = ordered[0]
+        last = self.step.done == g0.global_order.micro_steps(u0.dp.size) - 1
+        if last:
+            for g, u in ordered:
+                fold = self.folds.get(id(u))
+                if fold is None or id(u) in reduced:
+                    continue
+                settings = g.settings()
+                order = settings.order
+                del self.folds[id(u)]
+                target, accumulate, had = self._landing(u)
+                factor = float(settings.divide_factor or order.micro_batches)
+                pending = g.dev.launch("reduce_scatter", lambda async_op: None,
+                                       post=lambda a=fold.acc, t=target, acc=accumulate, f=factor:
+                                       land(a, t, acc, f, scratch=True),
+                                       keep=(fold.acc, target), out=(target,))
+                self._add(Reduction(u, pending, target, fold.touched, had, u.dp))
+        self.step.done = 0 if last else self.step.done + 1
 
     # -- the end of backward -------------------------------------------------------------
     def hand_out(self, groups: list[HandedOut]) -> None:
@@ -468,6 +528,7 @@ class Reductions:
         for g in groups:
             for u in g.units:
                 u.commit_residual()
+        self.staged = {}
 
 
 def _dp_key(dp: DPMesh) -> tuple:

@@ -12,6 +12,12 @@ TP ranks too) holds a residual of its own. ``n`` is a rank's stored values (the 
 ``residual_dtype``) or its scales (padded to the largest count of any rank). DCP, the
 ``get_*_state_dict`` functions and ``TrainState`` carry it as any other sharded tensor.
 
+The entry is a view of the live residual (:meth:`~ragged_fsdp.quant.wire_residual.Residual.flat`),
+not a copy: a load that writes into ``model.state_dict()`` in place (``load_local``, DCP's
+``dcp.load``) restores the residual without a ``load_state_dict`` call, as it restores the
+parameters; ``load_local(..., strict=False)`` from a save without a residual zeroes it, with
+a :class:`ResidualWarning`.
+
 Loading (``load_state_dict``, strict or not): an entry whose global shape and dtype are this
 model's is this rank's residual, bit for bit. Anything else (a checkpoint without one, saved
 by a model without error feedback, at another world size or with another residual storage)
@@ -26,6 +32,7 @@ residual entries it is given, with the same warning.
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Protocol
@@ -34,12 +41,14 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ragged_fsdp.agreement import agree
 from ragged_fsdp.placement import RaggedShard, from_local
 from ragged_fsdp.quant.grad_wire import GradientReduce
 
 from .unit import UnitGroup
 
-__all__ = ["ResidualWarning", "is_residual_key", "register_residual_state"]
+__all__ = ["ResidualWarning", "is_residual_key", "register_residual_state", "rescale_residuals",
+           "warn_zeroed_residuals"]
 
 _KEY = "_wire_residual_{}"
 _SCALES = "_wire_residual_scales_{}"
@@ -54,6 +63,14 @@ class ResidualWarning(UserWarning):
 def is_residual_key(key: str) -> bool:
     """Whether a (dotted) state-dict key is an error-feedback residual entry."""
     return bool(_PATTERN.match(key.rsplit(".", 1)[-1]))
+
+
+def warn_zeroed_residuals(keys: list[str], where: str) -> None:
+    """An in-place load (``where``) found no residual for ``keys`` and zeroed them (the
+    state dict's entries are the live residual, so the model's error feedback restarts)."""
+    warnings.warn(f"ragged_fsdp: {where}: the checkpoint has no error-feedback residual for "
+                  f"{', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''} (saved without error feedback): error "
+                  "feedback starts from a zero residual", ResidualWarning, stacklevel=3)
 
 
 def _mesh_of(unit):
@@ -96,13 +113,6 @@ def _local(value, mesh, n: int, dtype: torch.dtype) -> torch.Tensor | None:
     return value[tuple(coords)].reshape(-1)
 
 
-def _scale_width(wire) -> int:
-    """Scales per rank in the entry: the most any rank keeps (the other ranks' blocks)."""
-    b = wire.blocks
-    total = int(b.lengths.numel())
-    return max(total - n for n in b.per_segment)
-
-
 class ResidualGroup(UnitGroup, Protocol):
     """What the residual's state-dict entries read of a group."""
 
@@ -127,13 +137,11 @@ def register_residual_state(group: ResidualGroup, module: nn.Module) -> None:
     def save(mod, state_dict, prefix, local_metadata):
         for u in units():
             res = u.wire_state(fmt).residual_on(u.buf.device)
-            values, scales = res.flat()
+            values, scales = res.flat()  # the live storage: an in-place load writes the residual
             mesh = _mesh_of(u)
             state_dict[prefix + _KEY.format(u.index)] = _as_dtensor(values, mesh)
             if scales is not None:
-                padded = torch.zeros(_scale_width(u.wire), dtype=scales.dtype, device=scales.device)
-                padded[:scales.numel()] = scales
-                state_dict[prefix + _SCALES.format(u.index)] = _as_dtensor(padded, mesh)
+                state_dict[prefix + _SCALES.format(u.index)] = _as_dtensor(scales, mesh)
 
     def load(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         ours = {prefix + _KEY.format(u.index) for u in units()} | {prefix + _SCALES.format(u.index) for u in units()}
@@ -152,7 +160,7 @@ def register_residual_state(group: ResidualGroup, module: nn.Module) -> None:
             values = _local(state_dict.pop(prefix + _KEY.format(u.index), None), mesh, res.numel, fmt.residual_dtype)
             scales = None
             if fmt.residual_dtype is torch.int8:
-                scales = _local(state_dict.pop(prefix + _SCALES.format(u.index), None), mesh, _scale_width(u.wire),
+                scales = _local(state_dict.pop(prefix + _SCALES.format(u.index), None), mesh, res.scale_width,
                                 torch.float32)
                 if scales is None:
                     values = None
@@ -160,7 +168,7 @@ def register_residual_state(group: ResidualGroup, module: nn.Module) -> None:
                 zeroed.append(u.index)
                 res.load_flat(None)
             else:
-                res.load_flat(values, None if scales is None else scales[:res.n_scales])
+                res.load_flat(values, scales)
         if zeroed:
             warnings.warn(
                 f"ragged_fsdp: the state dict has no error-feedback residual of {group.describe()} (buffers "
@@ -170,3 +178,28 @@ def register_residual_state(group: ResidualGroup, module: nn.Module) -> None:
 
     module.register_state_dict_post_hook(save)
     module.register_load_state_dict_pre_hook(load)
+
+
+def _check_factor(factor) -> str | None:
+    is_scalar = isinstance(factor, torch.Tensor) and factor.numel() == 1
+    if isinstance(factor, bool) or not (isinstance(factor, (int, float)) or is_scalar):
+        return f"rescale_residual: factor must be a number, got {factor!r}"
+    f = float(factor)
+    big, tiny = torch.finfo(torch.float32).max, torch.finfo(torch.float32).tiny
+    if not (math.isfinite(f) and tiny <= f <= big):
+        return (f"rescale_residual: factor must be finite and positive (between {tiny:.3g} and {big:.3g}: it "
+                f"multiplies fp32 residuals), got {factor!r}; pass new_scale / old_scale of the GradScaler, taken "
+                "after scaler.update()")
+    return None
+
+
+def rescale_residuals(groups: list[ResidualGroup], factor) -> None:
+    """``FSDPModule.rescale_residual``: validate ``factor`` on every rank, agree on it over
+    the ranks that hold residuals (a NaN or inf would make every later gradient non-finite,
+    a factor that differs would make the ranks' residuals inconsistent), then multiply."""
+    units = [u for g in groups for u in g.units if u.wire is not None and u.wire.residual is not None]
+    comms = [c for u in units[:1] for c in (u.dp.shard, u.dp.replicate) if c is not None]
+    agree("rescale_residual(factor)", factor, group=[c.host_group for c in comms], validate=_check_factor,
+          fix="pass the same factor on every rank (new_scale / old_scale of a GradScaler)")
+    for u in units:
+        u.wire.residual.rescale(float(factor))

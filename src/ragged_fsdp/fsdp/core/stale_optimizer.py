@@ -6,8 +6,10 @@ replaced, whose gradients never arrive, so every step moves nothing and nothing 
 record goes when the old parameter does) and registers, once per process, a global
 optimizer step pre-hook. The hook checks an optimizer's parameters against that record the
 first time it steps, and again only after another ``fully_shard`` call replaced parameters
-or the optimizer got another param group; every other step costs one attribute read and a
-tuple comparison. :func:`check_optimizer` is the same check for callers that hold an
+or the optimizer's parameters changed (compared by identity: a parameter swapped in a
+group, added to one, or a new group); every other step costs one attribute read and an
+identity comparison per parameter. The same hook runs the checks other modules add
+(:func:`add_step_check`: the step-boundary check of :mod:`.step_boundary`). :func:`check_optimizer` is the same check for callers that hold an
 optimizer without stepping it (``TrainState`` before a save or load).
 """
 
@@ -17,12 +19,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["remember_replaced", "check_optimizer", "StaleOptimizerError"]
+__all__ = ["remember_replaced", "check_optimizer", "add_step_check", "StaleOptimizerError"]
 
 _replaced = WeakIdKeyDictionary()  # an old parameter -> how to name it
 _generation = 0  # bumped by every fully_shard call that replaced a parameter
 _hook = None
-_CHECKED = "_ragged_fsdp_checked"  # on an optimizer: (_generation, param groups) it passed at
+_CHECKED = "_ragged_fsdp_checked"  # on an optimizer: (_generation, its parameters) it passed at
+_step_checks: list = []  # more checks run before every optimizer step (add_step_check)
 
 
 class StaleOptimizerError(RuntimeError):
@@ -31,11 +34,24 @@ class StaleOptimizerError(RuntimeError):
 
 def remember_replaced(old: torch.nn.Parameter, name: str) -> None:
     """``fully_shard`` replaced ``old`` (called ``name`` in errors) with a sharded parameter."""
-    global _generation, _hook
+    global _generation
     _replaced[old] = name
     _generation += 1
+    _install()
+
+
+def _install() -> None:
+    global _hook
     if _hook is None:
         _hook = register_optimizer_step_pre_hook(_pre_step)
+
+
+def add_step_check(fn) -> None:
+    """Run ``fn(optimizer)`` before every optimizer step (once per ``fn``); it raises to
+    stop the step."""
+    if fn not in _step_checks:
+        _step_checks.append(fn)
+    _install()
 
 
 def check_optimizer(opt: torch.optim.Optimizer) -> None:
@@ -58,9 +74,18 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
                 "muon_param_groups(model)")
 
 
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    key = (_generation, len(opt.param_groups))
-    if opt.__dict__.get(_CHECKED) == key:
+    for fn in _step_checks:
+        fn(opt)
+    if not len(_replaced):
+        return
+    params = tuple(p for g in opt.param_groups for p in g["params"])
+    seen = opt.__dict__.get(_CHECKED)
+    if seen is not None and seen[0] == _generation and _same(seen[1], params):
         return
     check_optimizer(opt)
-    opt.__dict__[_CHECKED] = key
+    opt.__dict__[_CHECKED] = (_generation, params)

@@ -33,6 +33,8 @@ from .hooks import eager as _eager
 from .hooks import grad_tensors
 from .param_group import ParamGroup
 from .reduction import Reductions
+from .late_params import check_no_late_params, generation, watch
+from .step_boundary import check, check_forward, register_root
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -49,6 +51,7 @@ class RootContext:
         self.post_forward_order: list[ParamGroup] = []  # with repeats, for backward prefetch
         self.reductions = Reductions()  # every gradient reduction under this root
         self.callback_queued = False
+        self.params_seen = 0  # late_params.generation() at the last walk for late parameters
 
     def reset(self, states: list["FSDPState"], aborted: bool) -> None:
         """Back to the start of a step: after every backward (the final callback) and, with
@@ -77,8 +80,10 @@ class RootContext:
 
 
 class FSDPState:
-    def __init__(self, modules: tuple[nn.Module, ...], mp_policy, auto_reshard: bool):
+    def __init__(self, modules: tuple[nn.Module, ...], mp_policy, auto_reshard: bool, ignored=()):
         self.modules = modules
+        self.ignored = tuple(ignored)  # fully_shard(ignored_params=): not sharded, not refused as late
+        watch()
         self.mp_policy = mp_policy
         self.group: ParamGroup | None = None
         self.ctx = RootContext()
@@ -97,6 +102,8 @@ class FSDPState:
         pre, post = _eager(self._pre_forward), _eager(self._post_forward)
         failed = _eager(self._after_forward_raised)
         for m in modules:
+            # a checkpoint reads state_dict() first: refused in the middle of a step (step_boundary.py)
+            self._handles.append(m.register_state_dict_pre_hook(self._before_state_dict))
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(post, prepend=False))
             # torch runs always_call hooks also when forward raised (the one above is skipped)
@@ -159,6 +166,7 @@ class FSDPState:
             self.ctx.all_states.append(st)
             if st.group is not None:
                 st.group.join_root(self.ctx, name)
+        register_root(self)
         if self.auto_reshard and self.group is not None:
             self.group.set_reshard_after_forward(False)
         for st in self.ctx.all_states:
@@ -172,6 +180,8 @@ class FSDPState:
             # the last backward raised before its final callback (autograd drops a failed
             # backward's callbacks): start clean, before the states it left are read
             self.abort_step()
+        if not recomputing:
+            check_forward(self)
         self._forward_returned = False
         if recomputing or self.training_state is TrainingState.PRE_BACKWARD:
             # activation-checkpoint recomputation inside backward: parameters only
@@ -201,8 +211,12 @@ class FSDPState:
     def lazy_init_from_forward(self) -> None:
         self.lazy_init()
         if self.ctx.iter_forward_root is None:
-            self.ctx.iter_forward_root = self
-            self.ctx.forward_order = []
+            ctx = self.ctx
+            if ctx.params_seen != generation():  # a module or parameter was registered somewhere
+                check_no_late_params(ctx.all_states or [self])
+                ctx.params_seen = generation()
+            ctx.iter_forward_root = self
+            ctx.forward_order = []
 
     # -- a step stopped by an exception ------------------------------------------------------
     def _after_forward_raised(self, module: nn.Module, args: Any, output: Any = None) -> None:
@@ -214,12 +228,17 @@ class FSDPState:
         if not returned and self.training_state is TrainingState.FORWARD and self.ctx.iter_forward_root is self:
             self.abort_step()
 
-    def abort_step(self) -> None:
+    def abort_step(self, drop_step: bool = False) -> None:
         """Back to a clean start after an exception stopped forward or backward under this
         root: the collectives in flight are waited for (every rank issued them, when every
         rank raised at the same point), every group is resharded with its unreduced
         gradients dropped and its hooks re-armed, and no reduction of the failed step is
-        handed out. The step's gradients are lost, as after ``zero_grad()``."""
+        handed out. The step's gradients are lost, as after ``zero_grad()``.
+
+        ``drop_step`` (the user's ``abort_step()`` / ``reset_iter_state()``): also forget
+        the step in progress under global order (its running sums and count). Without it
+        (an exception the engine cleans up after) a step whose sums lost a piece is marked
+        broken, and the step ends refuse it until the user drops it (step_boundary.py)."""
         ctx = self.ctx
         states = ctx.all_states or [self]
         ctx.reductions.clear()
@@ -227,6 +246,11 @@ class FSDPState:
             if st.group is not None:
                 st.group.abort()
         ctx.reset(states, aborted=True)
+        if drop_step:
+            ctx.reductions.drop_step()
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        check(self, f"state_dict() of {type(module).__name__} (a checkpoint)")
 
     def _forward_prefetch(self) -> None:
         if self.forward_prefetch:
@@ -302,13 +326,13 @@ class FSDPState:
             for st in reversed(states):
                 if st.group is not None:
                     st.group.end_backward()
-            ctx.reductions.hand_out([st.group for st in states if st.group is not None])
+            groups = [st.group for st in states if st.group is not None]
+            ctx.reductions.end_micro_step(groups)
+            ctx.reductions.hand_out(groups)
         except BaseException:
             # e.g. an all-reduce hook raised on some rank: no gradient of this backward was
             # taken, so neither is the error-feedback residual its reductions staged
-            for st in states:
-                for u in st.group.units if st.group is not None else ():
-                    u.discard_residual()
+            ctx.reductions.discard_staged()
             raise
         finally:
             ctx.reset(states, aborted=False)
