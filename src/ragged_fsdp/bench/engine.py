@@ -33,7 +33,6 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,30 +41,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..models.workloads import VOCAB, build
+from .config import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig  # noqa: F401 (re-exported)
 
-VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
-MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
 COUNTED = ("ragged_fsdp", "fsdp2")  # frameworks whose collectives are counted (Python calls)
-WORKLOADS = ("dense", "moe", "dense-1024", "deep")
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
-
-
-@dataclass
-class BenchConfig:
-    world: int = 2
-    worlds: tuple[int, ...] = (2, 4)
-    rounds: int = 7
-    steps: int = 3
-    models: tuple[str, ...] = WORKLOADS
-    frameworks: tuple[str, ...] = VARIANTS
-    batch: int = 4
-    seq_len: int = 128
-    profile: bool = False
-    quick: bool = False  # tiny models, for tests
-    mesh: tuple[int, int] | None = None  # (replicate, shard): HSDP on both frameworks
-    compile: str | None = None  # torch.compile backend for every block (all frameworks), or None
-    out: str = "out/bench_engine.json"
-    png: str | None = "out/bench_engine.png"
 
 
 def batch_shape(kind: str, cfg: BenchConfig) -> tuple[int, int]:

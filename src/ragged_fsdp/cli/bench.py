@@ -9,8 +9,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..bench import engine
-from ..bench.engine import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig
+from ..bench.config import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig
 from ..bench.meta import run_meta
 from ._args import UsageError, choices, output_path, positive_int, whole_number
 
@@ -95,6 +94,8 @@ def check_args(args) -> tuple:
 
 
 def run(args) -> int:
+    from ..bench import engine  # torch: after the command line is read and checked
+
     worlds, mesh, frameworks, models, out, png = check_args(args)
     base = dict(rounds=args.rounds, steps=args.steps, models=models,
                 frameworks=frameworks, profile=args.profile, out=out,
