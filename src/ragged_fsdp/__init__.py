@@ -11,8 +11,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for type checkers and the API reference (mkdocstrings reads these statically)
-    from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_to_device, offload_to_host,
-                       register_fsdp_forward_method)
+    from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, check_same_init, fully_shard, load_to_device,
+                       offload_to_host, register_fsdp_forward_method, sync_module_states)
     from .fsdp.deterministic import global_order
     from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
     from .quant import BlockFP8, GradientReduce
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "fully_shard": ".fsdp", "FSDPModule": ".fsdp", "UnshardHandle": ".fsdp",
     "register_fsdp_forward_method": ".fsdp", "OffloadPolicy": ".fsdp", "offload_to_host": ".fsdp",
-    "load_to_device": ".fsdp",
+    "load_to_device": ".fsdp", "check_same_init": ".fsdp", "sync_module_states": ".fsdp",
     "RaggedShard": ".placement", "RaggedDTensor": ".placement", "distribute_tensor": ".placement",
     "from_local": ".placement", "redistribute": ".placement",
     "BlockFP8": ".quant", "GradientReduce": ".quant",
@@ -31,7 +31,7 @@ _PUBLIC = {
 }
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
-    "OffloadPolicy", "offload_to_host", "load_to_device",
+    "OffloadPolicy", "offload_to_host", "load_to_device", "check_same_init", "sync_module_states",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
     "BlockFP8", "GradientReduce", "global_order", "__version__",
 ]

@@ -5,8 +5,9 @@ from .core.consistency import LayoutMismatchError, SettingMismatchError
 from .core.residual_state import ResidualWarning
 from .offload.phase import load_to_device, offload_to_host
 from .offload.policy import OffloadPolicy
+from .same_init import check_same_init, sync_module_states
 from .tracing import Event, Trace, trace
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "trace", "Trace", "Event",
            "OffloadPolicy", "offload_to_host", "load_to_device", "LayoutMismatchError", "SettingMismatchError",
-           "ResidualWarning"]
+           "ResidualWarning", "check_same_init", "sync_module_states"]

@@ -8,7 +8,9 @@ optimizer step pre-hook. The hook checks an optimizer's parameters against that 
 first time it steps, and again only after another ``fully_shard`` call replaced parameters
 or the optimizer got another param group; every other step costs one attribute read and a
 tuple comparison. :func:`check_optimizer` is the same check for callers that hold an
-optimizer without stepping it (``TrainState`` before a save or load).
+optimizer without stepping it (``TrainState`` before a save or load). The same first-step
+check refuses torch.optim optimizers that cannot run on sharded parameters
+(:mod:`.torch_optimizers`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .torch_optimizers import check_torch_optimizer
 
 __all__ = ["remember_replaced", "check_optimizer", "StaleOptimizerError"]
 
@@ -63,4 +67,5 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if opt.__dict__.get(_CHECKED) == key:
         return
     check_optimizer(opt)
+    check_torch_optimizer(opt)
     opt.__dict__[_CHECKED] = key
