@@ -58,7 +58,8 @@ test: $(STAMP)
 # single-process file or one multi-rank launch each; under 3 minutes on a 2-core machine
 # (docs/contributing.md has the measurement). No -q here: pytest's configuration already
 # passes -q, and a second one drops the closing "N passed" line.
-QUICK_TESTS := TEST_QUICK_FILES
+QUICK_TESTS := tests/test_import_cost.py tests/test_dbuffer.py tests/test_planner.py \
+	tests/test_torch_optimizers.py tests/test_cli_plan.py
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest $(QUICK_TESTS)
 

@@ -54,7 +54,10 @@ def _group(mesh):
 
 
 def _fingerprint(t: torch.Tensor) -> str:
-    raw = t.detach().cpu().contiguous().reshape(-1)
+    raw = torch.Tensor.detach(t)  # the plain tensor's method: a weight subclass may override its own
+    if raw.device.type != "cpu":
+        raw = raw.to("cpu")
+    raw = raw.contiguous().reshape(-1)
     return hashlib.blake2b(raw.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
 
 
