@@ -20,20 +20,21 @@ STAMP := $(VENV)/.installed-$(SUM)
 # configuration: a local CPU wheel there is taken as well.)
 TORCH := torch==2.13.0
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
-PIP := $(BIN)/pip --progress-bar on
+PIP := $(BIN)/pip
+SHOW := --progress-bar on
 
-.PHONY: demo test test-quick docs test-torch214 test-torch215 bench bench-torch215 plan clean gpu-check
+.PHONY: demo test test-quick test-hf5 docs test-torch214 test-torch215 bench bench-torch215 plan clean gpu-check
 
 $(STAMP_DEMO): pyproject.toml
 	@echo "== [1/3] the virtual environment $(VENV)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	@echo "== [2/3] $(TORCH), the CPU build (about 200 MB on a fresh machine)"
-	$(PIP) install --retries 2 $(TORCH) --index-url $(TORCH_CPU_INDEX) || \
+	$(PIP) install $(SHOW) --retries 2 $(TORCH) --index-url $(TORCH_CPU_INDEX) || \
 		{ echo "!! $(TORCH_CPU_INDEX) could not be reached: installing $(TORCH) from the configured index (on Linux PyPI's wheel is the CUDA build, which also runs on the CPU)"; \
-		  $(PIP) install $(TORCH); }
+		  $(PIP) install $(SHOW) $(TORCH); }
 	@echo "== [3/3] ragged_fsdp and matplotlib (the demo's plot)"
-	$(PIP) install $(TORCH) -e '.[plot]'
+	$(PIP) install $(SHOW) $(TORCH) -e '.[plot]'
 	rm -f $(VENV)/.demo-* && touch $@
 
 # The test extras on top of the demo's set-up: pytest, hypothesis, the integrations (transformers,
@@ -95,6 +96,24 @@ test-torch215: $(STAMP215)
 	$(VENV215)/bin/python -c "import torch; assert torch.__version__.startswith('2.15.0'), torch.__version__"
 	$(VENV215)/bin/python -m pytest $(TORCH214_TESTS)
 
+# Today's Hugging Face releases: the integration tests (accelerate, Trainer, QLoRA through both,
+# HF models under fully_shard) on transformers 5.25.0 and accelerate 1.16.0, in a venv of their
+# own layered on .venv (a .pth file puts .venv's packages behind its own, so only the two
+# releases and their new dependencies are installed). Not in CI: about 10 minutes beside
+# `make test`'s 25 (docs/integrations.md).
+VENVHF5 := .venv-hf5
+HF5_TESTS := tests/test_integration_accelerate.py tests/test_fsdp_hf.py tests/test_quant_bnb4_hf.py
+
+$(VENVHF5)/.installed-$(SUM): $(STAMP)
+	test -x $(VENVHF5)/bin/python || $(BIN)/python -m venv --without-pip $(VENVHF5)
+	$(BIN)/python -c "import site; print(site.getsitepackages()[0])" > \
+		$$($(VENVHF5)/bin/python -c "import site; print(site.getsitepackages()[0])")/dot-venv.pth
+	$(VENVHF5)/bin/python -m pip install -q $(TORCH) transformers==5.25.0 accelerate==1.16.0
+	rm -f $(VENVHF5)/.installed-* && touch $@
+
+test-hf5: $(VENVHF5)/.installed-$(SUM)
+	PYTHONPATH=src $(VENVHF5)/bin/python -m pytest $(HF5_TESTS)
+
 bench: $(STAMP_DEMO)
 	$(BIN)/python -m ragged_fsdp bench
 
@@ -113,4 +132,4 @@ gpu-check:
 	mkdir -p $${OUT:-out} && PYTHONPATH=src timeout 240 python3 benchmarks/gpu.py --json $${OUT:-out}/gpu_bench.json
 
 clean:
-	rm -rf $(VENV) $(VENV214) $(VENV215) out build src/*.egg-info
+	rm -rf $(VENV) $(VENV214) $(VENV215) $(VENVHF5) out build src/*.egg-info
