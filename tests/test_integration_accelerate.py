@@ -441,8 +441,10 @@ def case_hf_trainer(rank, world):
     want = torch.load(os.environ["RAGGED_HF_REFERENCE"])
     assert got["ragged"] and not want["ragged"]
     assert len(got["loss"]) == len(want["loss"]) == _hf_trainer.STEPS
-    # the logged loss is rounded to 4 digits by the Trainer; the norm is not
-    assert got["loss"] == want["loss"], (got["loss"], want["loss"])
+    # transformers 4.57 logs the loss rounded to 4 digits (the two runs then log the same
+    # numbers); 5.x logs it whole, where the 2-rank mean differs from one process by rounding
+    for a, b in zip(got["loss"], want["loss"]):
+        assert abs(a - b) <= 2e-6 * abs(b), (got["loss"], want["loss"])
     for a, b in zip(got["grad_norm"], want["grad_norm"]):
         assert _rel(a, b) <= NORM_RTOL, (got["grad_norm"], want["grad_norm"])
     assert set(got["params"]) == set(want["params"])

@@ -14,8 +14,9 @@ from ..bench.meta import run_meta
 from ._args import UsageError, choices, output_path, positive_int, whole_number
 
 
-# --quick: enough rounds that the median ratio and its per-round range mean something on
-# tiny models, few enough to end in about a minute (docs/benchmarks.md has the measurement)
+# --quick: enough rounds that a median ratio and its per-round range can be read at all on
+# tiny models, few enough for a check (docs/benchmarks.md has the one measurement, on a loaded
+# machine: 282 s)
 QUICK_ROUNDS, QUICK_STEPS = 5, 2
 
 
@@ -35,8 +36,7 @@ def add_parser(sub) -> None:
                    help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
     p.add_argument("--quick", action="store_true",
                    help=f"tiny models at W=2 (unless --world), {QUICK_ROUNDS} rounds of {QUICK_STEPS} steps after a "
-                        "2-step warm-up: a check that runs end to end in about a minute, whose ratios carry their "
-                        "per-round range")
+                        "2-step warm-up: a check that runs end to end; its ratios carry their per-round range")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compile", default=None, metavar="BACKEND", choices=("eager", "aot_eager", "inductor"),
                    help="torch.compile every block (each framework the same way) with this backend")
