@@ -14,7 +14,7 @@ from ragged_fsdp.cli import main
 
 def test_bench_quick_end_to_end(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    assert main(["bench", "--quick", "--world", "2", "--out", str(out), "--png", str(png)]) == 0
+    assert main(["bench", "--quick", "--rounds", "1", "--steps", "1", "--world", "2", "--out", str(out), "--png", str(png)]) == 0
     saved = json.loads(out.read_text())
     report = saved["by_world"]["2"]
     assert saved["report"] == report  # the per-workload shape earlier readers expect
@@ -22,6 +22,8 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
     for kind, r in report.items():
         assert set(r["step_s"]) == set(VARIANTS)
         assert all(t > 0 for ts in r["step_s"].values() for t in ts)
+        lo, hi = r["vs_fsdp2_range"]["ragged_fsdp"]
+        assert lo <= r["vs_fsdp2"]["ragged_fsdp"] <= hi
         for v, comp in r["peak_composition"].items():
             assert comp["Total"] > 0 and sum(comp[k] for k in MEM_KINDS) == comp["Total"], (kind, v, comp)
             assert r["peak_bytes"][v] == comp["Total"]
@@ -30,6 +32,7 @@ def test_bench_quick_end_to_end(tmp_path, capsys):
         assert sum(r["copy_bytes"]["ragged_fsdp"].values()) <= sum(r["copy_bytes"]["local"].values())
     printed = capsys.readouterr().out
     assert "memory live at the peak" in printed and "fsdp1" in printed and "ddp" in printed
+    assert "per-round range" in printed
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -47,7 +50,7 @@ def test_bench_mesh_hsdp(tmp_path, capsys):
     gradient all-reduce sends exactly its HSDP buffers' sharded segments (an exactness check
     of the counter), and its gloo reduce-scatter (all-to-alls) exactly S-1 times that."""
     out, png = tmp_path / "mesh.json", tmp_path / "mesh.png"
-    assert main(["bench", "--quick", "--world", "4", "--mesh", "2x2", "--frameworks", "ragged_fsdp,fsdp2",
+    assert main(["bench", "--quick", "--rounds", "1", "--steps", "1", "--world", "4", "--mesh", "2x2", "--frameworks", "ragged_fsdp,fsdp2",
                  "--out", str(out), "--png", str(png)]) == 0
     saved = json.loads(out.read_text())
     assert saved["config"]["mesh"] == [2, 2]

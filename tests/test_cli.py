@@ -174,7 +174,7 @@ def test_good_arguments_still_start_the_ranks(capsys, no_launch, paths):
     with pytest.raises(Launched):
         main(["demo", "--data", paths["TEXT"], "--steps", "2", "--out", paths["DIR"] + "/demo"])
     with pytest.raises(Launched) as e:
-        main(["bench", "--quick", "--world", "1,2", "--frameworks", "ragged_fsdp,local", "--models", "dense-wide",
+        main(["bench", "--quick", "--rounds", "1", "--steps", "1", "--world", "1,2", "--frameworks", "ragged_fsdp,local", "--models", "dense-wide",
               "--out", paths["DIR"] + "/new/b.json", "--png", ""])
     (cfg,) = e.value.args[0]
     assert cfg.world == 1 and cfg.frameworks == ("ragged_fsdp", "local") and cfg.models == ("dense-wide",)

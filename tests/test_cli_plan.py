@@ -42,6 +42,10 @@ def test_text_tables_and_suggestions(capsys):
     out = capsys.readouterr().out
     assert "layers.0..79" in out and "whole model" in out and "fsdp2" in out and "megatron" in out
     assert "alternatives that cut it" in out and "HSDP" in out and "merge" in out
+    assert "ordered by least padding first, then least parameter memory" in out
+    table = out[out.index("alternatives that cut it"):out.index("# way out 1")]
+    # 9.575% (HSDP over 128 ranks) above the 17.185% merges, which go by their gather size
+    assert table.index("shard over 128 ranks") < table.index("merge 8 consecutive") < table.index("merge 16")
 
 
 def test_help(capsys):

@@ -107,8 +107,7 @@ def case_accelerate(rank, world):
     try:
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], cpu_ram_efficient_loading=False,
-            reshard_after_forward=True)
+            transformer_cls_names_to_wrap=["LlamaDecoderLayer"], reshard_after_forward=True)
         acc = Accelerator(fsdp_plugin=plugin, cpu=True)
         model = _load()
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -146,8 +145,8 @@ def case_trainer(rank, world):
             lr_scheduler_type="constant", optim="adamw_torch", weight_decay=0.0, warmup_steps=0, logging_steps=1,
             save_strategy="no", report_to=[], use_cpu=True, dataloader_drop_last=True, seed=0,
             fsdp="full_shard auto_wrap",
-            fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "cpu_ram_efficient_loading": False,
-                         "sync_module_states": False, "reshard_after_forward": True},
+            # cpu_ram_efficient_loading and sync_module_states at their defaults: they run on CPU too
+            fsdp_config={"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"], "reshard_after_forward": True},
             max_grad_norm=0.0, remove_unused_columns=False)
 
         class Ordered(torch.utils.data.Dataset):

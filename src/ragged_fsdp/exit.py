@@ -18,29 +18,16 @@ GIL for a short, bounded time so a worker thread still waiting to drop a finishe
 collective's tensors can do so while the interpreter is fully alive. No collective is
 issued and nothing waits on a peer; a script that destroyed its process groups pays
 nothing.
+
+The hook is registered by ``ragged_fsdp.fsdp.comms.device`` (the module every collective the
+engine launches goes through) when it is first imported: ``import ragged_fsdp`` loads its public
+names on first use and imports no torch, so registering here at import would miss scripts that
+reach the engine by ``from ragged_fsdp.fsdp import ...`` and cost every ``--help`` a torch import.
+This module keeps the explanation and the public names.
 """
 
 from __future__ import annotations
 
-import atexit
-import time
+from .fsdp.comms.device import HAND_OFF_S, at_exit, drain
 
-import torch.distributed as dist
-
-from .fsdp.comms.device import drain
-
-__all__ = ["HAND_OFF_S", "at_exit"]
-
-# How long the main thread gives up the GIL at exit: 0.05 s was enough in the plain-gloo
-# reproduction (docs/reliability.md); twice that leaves a margin for a thread that waits
-# for a core on a loaded machine, and only scripts that skip destroy_process_group pay it.
-HAND_OFF_S = 0.1
-
-
-def at_exit() -> None:
-    drain()
-    if dist.is_available() and dist.is_initialized():
-        time.sleep(HAND_OFF_S)
-
-
-atexit.register(at_exit)
+__all__ = ["HAND_OFF_S", "at_exit", "drain"]

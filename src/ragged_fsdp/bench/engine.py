@@ -13,7 +13,7 @@ optimizer state, activations, temporaries, ...), the forward+backward peak, and 
 written by copy/cast ops in one step beyond what the local model copies.
 
     python -m ragged_fsdp bench [--world 2,4] [--rounds 7] [--steps 3] [--png out/bench_engine.png]
-    python -m ragged_fsdp bench --quick      # tiny models, one round: checks it runs end to end
+    python -m ragged_fsdp bench --quick      # tiny models at W=2, 5 rounds of 2 steps: a check
     python -m ragged_fsdp bench --world 4 --mesh 2x2   # HSDP against FSDP2's HSDP
 
 With ``--mesh RxS`` both ragged_fsdp and FSDP2 shard over S ranks and replicate over R
@@ -33,7 +33,6 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,30 +41,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from ..models.workloads import VOCAB, build
+from .config import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig  # noqa: F401 (re-exported)
 
-VARIANTS = ("ragged_fsdp", "fsdp2", "fsdp1", "ddp", "local")
-MESH_VARIANTS = ("ragged_fsdp", "fsdp2", "local")  # what runs on a (replicate, shard) mesh
 COUNTED = ("ragged_fsdp", "fsdp2")  # frameworks whose collectives are counted (Python calls)
-WORKLOADS = ("dense", "moe", "dense-1024", "deep")
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
-
-
-@dataclass
-class BenchConfig:
-    world: int = 2
-    worlds: tuple[int, ...] = (2, 4)
-    rounds: int = 7
-    steps: int = 3
-    models: tuple[str, ...] = WORKLOADS
-    frameworks: tuple[str, ...] = VARIANTS
-    batch: int = 4
-    seq_len: int = 128
-    profile: bool = False
-    quick: bool = False  # tiny models, for tests
-    mesh: tuple[int, int] | None = None  # (replicate, shard): HSDP on both frameworks
-    compile: str | None = None  # torch.compile backend for every block (all frameworks), or None
-    out: str = "out/bench_engine.json"
-    png: str | None = "out/bench_engine.png"
 
 
 def batch_shape(kind: str, cfg: BenchConfig) -> tuple[int, int]:
@@ -147,6 +126,20 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
         mesh = init_device_mesh("cpu", (cfg.world,))
     report = {}
     variants = tuple(cfg.frameworks)
+    # rank 0's bar: per workload, each framework's build and warm-up, the timed rounds, then
+    # each framework's measurements (memory, copies, bytes sent); tqdm's rate gives the estimate
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(cfg.models) * (2 * len(variants) + cfg.rounds), desc=f"bench W={cfg.world}",
+                   unit="phase", dynamic_ncols=True, disable=None)
+
+    def tick(what: str) -> None:
+        if bar is not None:
+            bar.set_postfix_str(what)
+            bar.update()
+
     for kind in cfg.models:
         g = torch.Generator().manual_seed(1000 + rank)
         batch, seq = batch_shape(kind, cfg)
@@ -171,8 +164,9 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
 
             runs[v] = step
             passes[v] = (model, fwd_bwd, opt)
-            for _ in range(1 if cfg.quick else 2):  # warm-up: optimizer state, allocator
+            for _ in range(2):  # warm-up: optimizer state, allocator
                 step()
+            tick(f"{kind}: {v} warm")
         times = {v: [] for v in variants}
         cpu = {v: [] for v in variants}  # this process's CPU (time.process_time): the machine may be shared
         for r in range(cfg.rounds):
@@ -187,9 +181,13 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
                 dist.barrier()
                 times[v].append((time.perf_counter() - t0) / cfg.steps)
                 cpu[v].append((c1 - c0) / cfg.steps)
+            tick(f"{kind}: round {r + 1}/{cfg.rounds}")
         res = {"step_s": times, "cpu_s": cpu, "batch": [batch, seq]}
         base = "fsdp2" if "fsdp2" in variants else variants[0]
         res["vs_fsdp2"] = {v: statistics.median(a / b for a, b in zip(times[v], times[base])) for v in variants}
+        # the spread of the per-round ratios: how far one round's ratio strays from the median
+        res["vs_fsdp2_range"] = {v: [min(a / b for a, b in zip(times[v], times[base])),
+                                     max(a / b for a, b in zip(times[v], times[base]))] for v in variants}
         res["cpu_vs_fsdp2"] = {v: statistics.median(a / b for a, b in zip(cpu[v], cpu[base])) for v in variants}
         if "ragged_fsdp" in variants and "fsdp2" in variants:
             res["ratio_vs_fsdp2"] = res["vs_fsdp2"]["ragged_fsdp"]
@@ -215,6 +213,7 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
             with CopyCounter() as c:
                 runs[v]()
             res["copy_bytes"][v] = dict(c.by_op)
+            tick(f"{kind}: {v} measured")
         res["comm"] = {v: count_comm(runs[v], mesh) for v in variants if v in COUNTED}
         if "ragged_fsdp" in res["comm"]:
             res["comm"]["ragged_fsdp"]["hsdp_segment_bytes"] = hsdp_segment_bytes(passes["ragged_fsdp"][0])
@@ -226,6 +225,8 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
                     _profile(runs[v])
         report[kind] = res
         del runs, passes
+    if bar is not None:
+        bar.close()
     if rank == 0:
         queue.put(("ok", rank, report))
     dist.barrier()
@@ -356,7 +357,7 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
     print(f"\nW={cfg.world} gloo ranks{layout}, {cfg.rounds} rounds x {cfg.steps} steps; ratios are medians of "
           "per-round ratios against FSDP2; peak = MemTracker peak over one step, rank 0 "
           "(max-rank: the largest of any rank's)")
-    head = ("workload", "framework", "step ms", "step vs FSDP2", "CPU vs FSDP2", "peak MiB", "peak vs FSDP2",
+    head = ("workload", "framework", "step ms", "step vs FSDP2", "per-round range", "CPU vs FSDP2", "peak MiB", "peak vs FSDP2",
             "max-rank peak vs FSDP2", "fwd+bwd peak vs FSDP2", "copy bytes/step")
     rows = []
     for kind, r in report.items():
@@ -368,6 +369,7 @@ def print_report(cfg: BenchConfig, report: dict) -> None:
             ms = statistics.median(r["step_s"][v]) * 1e3
             rows.append((
                 kind, v, f"{ms:.1f}", f"{r['vs_fsdp2'][v]:.2f}",
+                "{:.2f}-{:.2f}".format(*r["vs_fsdp2_range"][v]) if "vs_fsdp2_range" in r else "-",
                 f"{r['cpu_vs_fsdp2'][v]:.2f}" if "cpu_vs_fsdp2" in r else "-", f"{r['peak_bytes'][v] / 2**20:.1f}",
                 f"{r['peak_bytes'][v] / base:.3f}" if base else "-",
                 f"{top[v] / top['fsdp2']:.3f}" if top.get("fsdp2") else "-",

@@ -9,10 +9,15 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ..bench import engine
-from ..bench.engine import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig
+from ..bench.config import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig
 from ..bench.meta import run_meta
 from ._args import UsageError, choices, output_path, positive_int, whole_number
+
+
+# --quick: enough rounds that a median ratio and its per-round range can be read at all on
+# tiny models, few enough for a check (docs/benchmarks.md has the one measurement, on a loaded
+# machine: 282 s)
+QUICK_ROUNDS, QUICK_STEPS = 5, 2
 
 
 def add_parser(sub) -> None:
@@ -23,12 +28,15 @@ def add_parser(sub) -> None:
     p.add_argument("--mesh", default=None, metavar="RxS",
                    help="HSDP on an R x S (replicate, shard) mesh for ragged_fsdp and FSDP2, e.g. 2x2 "
                         "(FSDP1 and DDP take no 2-D mesh and are left out)")
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--rounds", type=int, default=None, help=f"default {d.rounds}; with --quick {QUICK_ROUNDS}")
+    p.add_argument("--steps", type=int, default=None, help=f"steps per round (default {d.steps}; with --quick "
+                                                           f"{QUICK_STEPS})")
     p.add_argument("--models", default=",".join(d.models))
     p.add_argument("--frameworks", default=None,
                    help=f"default {','.join(VARIANTS)}; with --mesh {','.join(MESH_VARIANTS)}")
-    p.add_argument("--quick", action="store_true", help="tiny models, one round of one step (a smoke test)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"tiny models at W=2 (unless --world), {QUICK_ROUNDS} rounds of {QUICK_STEPS} steps after a "
+                        "2-step warm-up: a check that runs end to end; its ratios carry their per-round range")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--compile", default=None, metavar="BACKEND", choices=("eager", "aot_eager", "inductor"),
                    help="torch.compile every block (each framework the same way) with this backend")
@@ -82,6 +90,11 @@ def check_args(args) -> tuple:
                              f"choose from {', '.join(MESH_VARIANTS)}")
     # dense-wide: the dim-512 workload of earlier reports, built on request only
     models = choices("--models", args.models, WORKLOADS + ("dense-wide",), "workloads")
+    quick = getattr(args, "quick", False)
+    if args.rounds is None:
+        args.rounds = QUICK_ROUNDS if quick else d.rounds
+    if args.steps is None:
+        args.steps = QUICK_STEPS if quick else d.steps
     positive_int("--rounds", args.rounds)
     positive_int("--steps", args.steps)
     tag = f"_mesh{mesh[0]}x{mesh[1]}" if mesh else ""
@@ -95,12 +108,15 @@ def check_args(args) -> tuple:
 
 
 def run(args) -> int:
+    from ..bench import engine  # torch: after the command line is read and checked
+
     worlds, mesh, frameworks, models, out, png = check_args(args)
     base = dict(rounds=args.rounds, steps=args.steps, models=models,
                 frameworks=frameworks, profile=args.profile, out=out,
                 png=png, quick=args.quick, worlds=worlds, mesh=mesh, compile=getattr(args, "compile", None))
-    if args.quick:
-        base.update(rounds=1, steps=1)
+    if args.quick and args.world is None and not mesh:
+        worlds = (2,)
+        base["worlds"] = worlds
     reports, configs = {}, {}
     for w in worlds:
         cfg = BenchConfig(world=w, **base)

@@ -28,7 +28,7 @@ from ..planner.baselines import BASELINES, all_baselines
 from ..planner.granularity import GRANULARITY_FORMS, Granularity
 from ..planner.recipe import mesh_layout, recipe
 from ..planner.sections import Section, plan_sections
-from ..planner.suggest import suggest_sections
+from ..planner.suggest import ORDER, suggest_sections
 
 DTYPES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2,
           "float64": 8, "float8": 1, "fp8": 1}
@@ -253,7 +253,8 @@ def _print_cell(c: dict, out, show_recipe: bool = False) -> None:
             for s in c["suggestions"]:
                 rows.append([s["description"], _pct(s["padding_ratio"]), _gib(s["bytes_per_rank"]),
                              _gib(s["gathered_bytes"])])
-            print("padding above 1%; alternatives that cut it, best first:", file=out)
+            print(f"padding above 1%; alternatives that cut it (per lever, the 3 with the least memory), "
+                  f"ordered by {ORDER}:", file=out)
             print(_table(rows, {1, 2, 3}), file=out)
             for i, s in enumerate(c["suggestions"]):
                 brief = bool(i) or (show_recipe and par)  # imports (and TP plan) printed once

@@ -1,4 +1,4 @@
-"""Hugging Face accelerate (1.15) trains with ragged_fsdp through its FSDP2 path.
+"""Hugging Face accelerate (1.15, 1.16) trains with ragged_fsdp through its FSDP2 path.
 
     import ragged_fsdp.integrations.accelerate as ragged_accelerate
     ragged_accelerate.enable()                       # before Accelerator(...)

@@ -56,6 +56,7 @@ _AMP_UNSCALE = aten._amp_foreach_non_finite_check_and_unscale_.default
 _BOOL_OPS = {aten.equal.default, aten.is_same_size.default}
 _VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _FOREACH_NORM = {aten._foreach_norm.Scalar}
+_MASKED_PUT = {aten.index_put_.default, aten.index_put.default}
 _REDUCTIONS = {
     aten.linalg_vector_norm.default, aten.sum.default, aten.sum.dim_IntList,
     aten.max.default, aten.min.default, aten.amax.default, aten.amin.default,
@@ -97,6 +98,8 @@ def _handler_for(func):
         return _bool_op
     if func in _VIEW_OPS:
         return _view
+    if func in _MASKED_PUT:
+        return _masked_put
     if func is _AMP_UNSCALE:
         return lambda func, args, kwargs: _amp_unscale(args, kwargs)
     if _is_local_op(func):
@@ -137,6 +140,22 @@ def _mixed_hint(args, kwargs) -> str:
             "computes outside forward() (a generate() method calling its submodules, say), its parameters are "
             "still sharded there; register that method with ragged_fsdp.register_fsdp_forward_method(module, "
             "'generate') so they are gathered for it.")
+
+
+def _masked_put(func, args, kwargs):
+    """``t[mask] = v`` with a boolean mask of ``t``'s own layout and a one-element ``v``:
+    each element is written or kept by its own mask bit, so it is a local op (torch.optim.Rprop
+    zeroes its gradient this way). Any other index (integers, another layout) moves elements
+    between positions and stays unsupported."""
+    x, indices, values = args[0], args[1], args[2]
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    mask = indices[0] if len(indices) == 1 else None
+    if (isinstance(x, RaggedDTensor) and isinstance(mask, RaggedDTensor) and mask.dtype == torch.bool
+            and spec_mismatch(x._spec, mask._spec) is None and isinstance(values, torch.Tensor)
+            and values.numel() == 1 and not accumulate):
+        local = func(x._local_tensor, [mask._local_tensor], _unwrap_arg(func, values), *args[3:], **kwargs)
+        return x if func is aten.index_put_.default else wrap(local, x._spec)
+    return _unsupported(func, args, kwargs)
 
 
 # -- identity views ----------------------------------------------------------------------

@@ -9,7 +9,10 @@ Two levers cut the padding a granularity forces at a given world size ``W``:
 
 Each alternative is planned for real and reported with its padding and what it costs in
 memory: parameter bytes per rank (the sharded segments) and the largest unsharded group
-buffer (the all-gather peak). Best first = fewest bytes per rank.
+buffer (the all-gather peak). Which are listed: per lever, the ``per_kind`` that cut the
+padding at the least memory (bytes per rank, then the largest gather: the largest shard groups,
+the fewest merged groups). Their order (:data:`ORDER`): least padding first, then least
+parameter memory at the all-gather peak (bytes per rank + the largest gathered group).
 
 With expert parallelism (:func:`suggest_sections`) the experts' section is sharded over
 ``1/ep`` of the dense section's ranks; an HSDP shard group of ``D`` dense ranks (``ep``
@@ -28,7 +31,9 @@ from .granularity import TensorSpec
 from .model import ModelPlan
 from .sections import Section, SectionedPlan, plan_sections
 
-__all__ = ["Suggestion", "suggest", "suggest_sections", "shard_group_sizes", "merge_groups"]
+__all__ = ["Suggestion", "suggest", "suggest_sections", "shard_group_sizes", "merge_groups", "ORDER", "order_key"]
+
+ORDER = "least padding first, then least parameter memory at the all-gather peak (params/rank + largest gather)"
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,12 @@ class Suggestion:
                         f"(HSDP, {self.replicas} replicas)")
             return f"shard over {self.value} ranks (HSDP, {self.replicas} replicas)"
         return f"merge {self.value} consecutive groups"
+
+
+def order_key(s: "Suggestion") -> tuple:
+    """The listing order (:data:`ORDER`). Padding is compared at 0.001 percentage points, so
+    two plans that pad alike are ordered by memory, not by float noise."""
+    return (round(s.padding_ratio, 5), s.bytes_per_rank + s.gathered_bytes, s.kind, s.value)
 
 
 def shard_group_sizes(world_size: int, limit: int = 12, multiple_of: int = 1) -> list[int]:
@@ -77,7 +88,7 @@ def _suggestion(kind: str, value: int, mp: ModelPlan | SectionedPlan, replicas: 
 def suggest(groups: Sequence[tuple[str, Sequence[TensorSpec]]], world_size: int, align_bytes: int = 16,
             current: ModelPlan | None = None, per_kind: int = 3) -> list[Suggestion]:
     """Alternatives that cut the padding of planning ``groups`` over ``world_size`` ranks:
-    the best ``per_kind`` of each lever, best (fewest parameter bytes per rank) first."""
+    ``per_kind`` of each lever (those with the least memory), listed in :data:`ORDER`."""
     return suggest_sections([Section("dense", world_size, [(n, list(sp)) for n, sp in groups])],
                             align_bytes, current, per_kind)
 
@@ -109,11 +120,13 @@ def suggest_sections(sections: Sequence[Section], align_bytes: int = 16,
         found.append(_suggestion("merge", k, plan_sections(merged, align_bytes)))
         k *= 2
 
-    def rank(s: Suggestion):
-        return (s.bytes_per_rank, s.padding_ratio, s.gathered_bytes)
+    def cheapest(s: Suggestion):
+        return (s.bytes_per_rank, s.gathered_bytes, s.padding_ratio)
 
     out = []
     for kind in ("hsdp", "merge"):
+        # which to show: the cheapest in memory of each lever (the smallest shard groups would
+        # pad least of all, by replicating the whole model)
         better = [s for s in found if s.kind == kind and s.padding_ratio < current.padding_ratio]
-        out += sorted(better, key=rank)[:per_kind]
-    return sorted(out, key=rank)
+        out += sorted(better, key=cheapest)[:per_kind]
+    return sorted(out, key=order_key)

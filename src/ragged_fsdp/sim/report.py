@@ -80,7 +80,9 @@ def sweep(sc: Scenario, spec: str, frameworks=FRAMEWORKS, mesh_fn=None):
     gpus = gpu_range(spec)
     weak, strong = {}, {}
     global_seqs = sc.micro_batch * gpus[0]
-    for g in gpus:
+    from tqdm import tqdm  # a bar on a terminal only (disable=None): pipes and tests see none
+
+    for g in tqdm(gpus, desc="simulate sweep", unit="size", disable=None):
         mesh = mesh_fn(g) if mesh_fn else type(sc.mesh)(g)
         weak[g] = simulate(Scenario(**{**sc.__dict__, "gpus": g, "mesh": mesh}), frameworks, arch)
         strong[g] = simulate(Scenario(**{**sc.__dict__, "gpus": g, "mesh": mesh,

@@ -48,7 +48,9 @@ host reads the result: an optimizer step on the host, a checkpoint).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import time
 import weakref
 
 from collections.abc import Callable, Sequence
@@ -79,6 +81,26 @@ def drain() -> None:
         except Exception:  # the process group may already be gone: nothing left to save
             pass
 
+
+# How long the main thread gives up the GIL at exit (why: ``ragged_fsdp.exit``): 0.05 s was
+# enough in the plain-gloo reproduction (docs/reliability.md); twice that leaves a margin for a
+# thread that waits for a core on a loaded machine, and only scripts that skip
+# destroy_process_group pay it.
+HAND_OFF_S = 0.1
+
+
+def at_exit() -> None:
+    """The exit hook ``ragged_fsdp.exit`` describes: drain, then hand the GIL to gloo's workers.
+    Registered here, with the module every collective of the engine goes through, so that any
+    import path to the engine registers it, while ``import ragged_fsdp`` alone imports no torch."""
+    drain()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(HAND_OFF_S)
+
+
+atexit.register(at_exit)
 
 Comm = Callable[[bool], Any]
 

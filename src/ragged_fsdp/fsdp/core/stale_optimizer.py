@@ -10,7 +10,9 @@ or the optimizer's parameters changed (compared by identity: a parameter swapped
 group, added to one, or a new group); every other step costs one attribute read and an
 identity comparison per parameter. The same hook runs the checks other modules add
 (:func:`add_step_check`: the step-boundary check of :mod:`.step_boundary`). :func:`check_optimizer` is the same check for callers that hold an
-optimizer without stepping it (``TrainState`` before a save or load).
+optimizer without stepping it (``TrainState`` before a save or load). The same first-step
+check refuses torch.optim optimizers that cannot run on sharded parameters
+(:mod:`.torch_optimizers`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .torch_optimizers import check_torch_optimizer
 
 __all__ = ["remember_replaced", "check_optimizer", "add_step_check", "StaleOptimizerError"]
 
@@ -88,4 +92,5 @@ def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     if seen is not None and seen[0] == _generation and _same(seen[1], params):
         return
     check_optimizer(opt)
+    check_torch_optimizer(opt)
     opt.__dict__[_CHECKED] = (_generation, params)
