@@ -27,7 +27,7 @@ import time
 
 import torch.distributed as dist
 
-from .fsdp.comms.device import drain
+from .device import drain
 
 __all__ = ["HAND_OFF_S", "at_exit"]
 

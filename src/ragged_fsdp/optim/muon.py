@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ragged_fsdp.fsdp.comms.device import device_for
+from ragged_fsdp.device import device_for
 
 from ._gather import gather_set
 from ._grouped import adamw_grouped, flat_states, restore_flat_views

@@ -44,7 +44,7 @@ from ragged_fsdp.quant.grad_wire import GradientReduce, wire_bytes
 
 from .. import tracing as trace
 from ..comms.collectives import all_reduce, reduce_scatter
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
 from ..comms.landing import land
 from ..comms.ordered_reduce import ordered_reduce
 from ..comms.wire_reduce import wire_reduce_scatter

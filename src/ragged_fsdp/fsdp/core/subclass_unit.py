@@ -55,7 +55,7 @@ from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.quant.bnb4 import BnB4Weight
 
 from .. import tracing as trace
-from ..comms.device import AllWork, Device, Pending
+from ...device import AllWork, Device, Pending
 from ..compat.bnb4_owner import attach_bnb4
 from ..compat.subclass_gather import adopt_foreign, call_pre_all_gather, rows_of
 from .sharded_param import make_sharded_param

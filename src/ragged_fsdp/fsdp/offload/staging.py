@@ -1,5 +1,5 @@
 """The engine side of ``fully_shard(offload_policy=...)``: host buffers per DBuffer and the
-copies between them and the device, all through the device seam (:mod:`..comms.device`).
+copies between them and the device, all through the device seam (:mod:`ragged_fsdp.device`).
 A unit is handed its :class:`UnitOffload` (``Unit.attach_offload``) and calls it; ``core/``
 does not import this layer.
 
@@ -30,7 +30,7 @@ import torch
 from ragged_fsdp.dbuffer import DBuffer
 
 from .. import tracing as trace
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
 from ..core.param_group import ParamGroup
 from ..core.sharded_param import repoint
 from ..core.unit import Unit
