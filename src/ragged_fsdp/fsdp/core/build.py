@@ -15,7 +15,7 @@ from ragged_fsdp.quant.bnb4 import is_params4bit
 from ..comms.collectives import Comm
 from ..comms.quant_gather import attach_quant, fp8_granularity
 from ..comms.custom import CommHooks
-from ..compat.subclass_gather import adopt_foreign, check_extension, extension_granularity, is_extension
+from ...quant.foreign import adopt_foreign, check_extension, extension_granularity, is_extension
 from .consistency import check_same_layout
 from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param

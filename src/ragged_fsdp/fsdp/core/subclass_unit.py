@@ -2,7 +2,7 @@
 protocol: ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, torch 2.13 signatures).
 
 A unit kind of the engine. Such a parameter is sharded by whole rows in units the subclass
-asks for (``compat/subclass_gather.py`` reads the protocol), so each rank's piece,
+asks for (``ragged_fsdp.quant.foreign`` reads the protocol), so each rank's piece,
 ``torch.split`` of the subclass along dim 0, is a subclass value of its own: the planner's
 RaggedShard units never cut a quantisation block, and nothing is re-quantised.
 
@@ -57,7 +57,7 @@ from ragged_fsdp.quant.bnb4 import BnB4Weight
 from .. import tracing as trace
 from ...device import AllWork, Device, Pending
 from ..compat.bnb4_owner import attach_bnb4
-from ..compat.subclass_gather import adopt_foreign, call_pre_all_gather, rows_of
+from ...quant.foreign import adopt_foreign, call_pre_all_gather, rows_of
 from .sharded_param import make_sharded_param
 from .unit import Building, ParamInfo, Unit
 

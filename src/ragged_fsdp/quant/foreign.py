@@ -8,8 +8,9 @@ torchao's ``NF4Tensor`` as :class:`~ragged_fsdp.quant.nf4.NF4Weight`: their ops 
 into equal pieces, which pieces of different sizes do not fit), a rank's rows of a value and
 the call of ``fsdp_pre_all_gather`` with the arity FSDP2 accepts.
 
-The unit kind that gathers such parameters is ``core/subclass_unit.py``; checkpoints
-(``checkpoint/subclass_values.py``) call the helpers here too.
+The unit kind that gathers such parameters is ``fsdp/core/subclass_unit.py``; checkpoints
+(``checkpoint/subclass_values.py``) call the helpers here too. It lives below the engine
+because it needs no engine state and both of them read it.
 """
 
 from __future__ import annotations
