@@ -1,9 +1,8 @@
 """ragged_fsdp: fully sharded data parallelism that keeps the structure of tensors."""
 from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, fully_shard, load_to_device, offload_to_host,
-                   register_fsdp_forward_method)
+                   register_fsdp_forward_method, global_order)
 from .quant import BlockFP8, GradientReduce
 from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
-from .fsdp.deterministic import global_order
 from . import exit as _exit  # registers the exit hook (see ragged_fsdp/exit.py)
 
 __version__ = "0.1.0"
