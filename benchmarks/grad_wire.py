@@ -200,7 +200,8 @@ class _ErrorProbe:
     gradients (an extra fp32 reduce-scatter of the buffer the wire reduction got), and the
     running sum of the differences: with error feedback that sum stays bounded (it is the
     mean of the ranks' residuals), without it it grows with the steps. A bench probe: it
-    wraps the engine's wire reduction and waits for each one."""
+    wraps the engine's wire reduction (the public probe point ``wire_reduce_scatter``) and
+    waits for each one."""
 
     def __init__(self):
         self.sq_err = self.sq_ref = 0.0
@@ -209,35 +210,38 @@ class _ErrorProbe:
         self.per_step, self.accumulated, self.accumulated_ref = [], [], []
 
     def __enter__(self):
-        from ragged_fsdp.fsdp.core import reduction
-        from ragged_fsdp.fsdp.comms.device import Pending
+        from ragged_fsdp.device import Pending
+        from ragged_fsdp.fsdp import probe as engine_probe
 
-        self._mod, self._orig = reduction, reduction.wire_reduce_scatter
         probe = self
 
-        def wrapped(dev, comm, grad, target, accumulate, factor, state, *a, **k):
-            W = comm.world_size
-            exact = torch.empty(target.numel(), dtype=torch.float32)
-            dist.reduce_scatter_tensor(exact, grad.float(), group=comm.group)
-            exact.mul_(1.0 / float(factor or W))
-            got = torch.empty_like(target)
-            probe._orig(dev, comm, grad, got, False, factor, state, *a, **k).wait()
-            d = got.float() - exact
-            probe.sq_err += float((d * d).sum())
-            probe.sq_ref += float((exact * exact).sum())
-            key = id(state)
-            if key not in probe.acc:
-                probe.acc[key], probe.acc_ref[key] = torch.zeros_like(d), torch.zeros_like(d)
-            probe.acc[key] += d
-            probe.acc_ref[key] += exact
-            target.add_(got) if accumulate else target.copy_(got)
-            return Pending()  # finished: nothing left to wait for
+        def wrap(point, orig):
+            def wrapped(dev, comm, grad, target, accumulate, factor, state, *a, **k):
+                W = comm.world_size
+                exact = torch.empty(target.numel(), dtype=torch.float32)
+                dist.reduce_scatter_tensor(exact, grad.float(), group=comm.group)
+                exact.mul_(1.0 / float(factor or W))
+                got = torch.empty_like(target)
+                orig(dev, comm, grad, got, False, factor, state, *a, **k).wait()
+                d = got.float() - exact
+                probe.sq_err += float((d * d).sum())
+                probe.sq_ref += float((exact * exact).sum())
+                key = id(state)
+                if key not in probe.acc:
+                    probe.acc[key], probe.acc_ref[key] = torch.zeros_like(d), torch.zeros_like(d)
+                probe.acc[key] += d
+                probe.acc_ref[key] += exact
+                target.add_(got) if accumulate else target.copy_(got)
+                return Pending()  # finished: nothing left to wait for
 
-        reduction.wire_reduce_scatter = wrapped
+            return wrapped
+
+        self._probe = engine_probe(wrap, ["wire_reduce_scatter"])
+        self._probe.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._mod.wire_reduce_scatter = self._orig
+        return self._probe.__exit__(*(exc or (None, None, None)))
 
     def end_step(self) -> None:
         t = torch.tensor([self.sq_err, self.sq_ref,

@@ -78,47 +78,35 @@ class Phases:
         return timed
 
 
-def _hook_table():
-    """(class, method name, phase) of each framework's hooks, in torch 2.13's and ours."""
+def _fsdp2_hooks():
+    """(class, method name, phase) of torch 2.13's FSDP2 hooks (torch has no public probe)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as tpg
     from torch.distributed.fsdp._fully_shard import _fsdp_state as tst
 
-    from ragged_fsdp.fsdp.core import param_group as rpg
-    from ragged_fsdp.fsdp.core import state as rst
-    from ragged_fsdp.fsdp.core import unit as run
-
-    return {
-        "fsdp2": [
-            (tst.FSDPState, "_pre_forward", "pre_forward"),
-            (tst.FSDPState, "_post_forward", "post_forward"),
-            (tst.FSDPState, "_pre_backward", "pre_backward"),
-            (tpg.FSDPParamGroup, "post_backward", "post_backward"),
-            (tst.FSDPState, "_root_post_backward_final_callback", "end_backward"),
-        ],
-        "ragged_fsdp": [
-            (rst.FSDPState, "_pre_forward", "pre_forward"),
-            (rst.FSDPState, "_post_forward", "post_forward"),
-            (rst.FSDPState, "_after_forward_raised", "post_forward"),
-            (rst.FSDPState, "_pre_backward", "pre_backward"),
-            (run.Unit, "_on_grad", "post_backward"),
-            (rpg.ParamGroup, "after_grad", "post_backward"),
-            (rpg.ParamGroup, "_post_backward_from_autograd", "post_backward"),
-            (rst.FSDPState, "_final_callback", "end_backward"),
-        ],
-    }
+    return [
+        (tst.FSDPState, "_pre_forward", "pre_forward"),
+        (tst.FSDPState, "_post_forward", "post_forward"),
+        (tst.FSDPState, "_pre_backward", "pre_backward"),
+        (tpg.FSDPParamGroup, "post_backward", "post_backward"),
+        (tst.FSDPState, "_root_post_backward_final_callback", "end_backward"),
+    ]
 
 
 @contextlib.contextmanager
 def instrumented(phases: Phases):
-    """Wrap every hook of both frameworks for the duration (models built inside)."""
+    """Wrap every hook of both frameworks for the duration (models built inside): ours through
+    the engine's public probe (``ragged_fsdp.fsdp.probe``, whose points are these phases),
+    FSDP2's by name."""
+    from ragged_fsdp.fsdp import probe
+
     saved = []
-    for entries in _hook_table().values():
-        for cls, name, phase in entries:
-            fn = cls.__dict__[name]
-            saved.append((cls, name, fn))
-            setattr(cls, name, phases.wrap(phase, fn))
+    for cls, name, phase in _fsdp2_hooks():
+        fn = cls.__dict__[name]
+        saved.append((cls, name, fn))
+        setattr(cls, name, phases.wrap(phase, fn))
     try:
-        yield
+        with probe(lambda phase, fn: phases.wrap(phase, fn)):
+            yield
     finally:
         for cls, name, fn in saved:
             setattr(cls, name, fn)

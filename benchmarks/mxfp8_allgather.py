@@ -33,13 +33,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-import ragged_fsdp.comm as rcomm
-from ragged_fsdp import MXFP8
-from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
-from ragged_fsdp import fully_shard as ragged_shard
-from ragged_fsdp.models import Llama, LlamaConfig
-from ragged_fsdp.models.moe import MoE, MoEConfig
-
 FRAMEWORKS = ("ragged_fsdp:mxfp8", "fsdp2:torchao-mxfp8", "ragged_fsdp:bf16")
 _count = [0]
 
@@ -52,17 +45,20 @@ def _counting(fn):
 
 
 def _install_counters():
-    # ragged_fsdp binds its all-gather at import (ragged_fsdp.comm); torch's FSDP2 calls dist's
-    for mod, name in ((dist, "all_gather_single"), (dist, "all_gather_into_tensor"), (rcomm, "all_gather_single")):
-        if getattr(mod, name, None) is not None:
-            setattr(mod, name, _counting(getattr(mod, name)))
-    import ragged_fsdp.fsdp.comms.collectives as col
-    import ragged_fsdp.fsdp.comms.mx_gather as mx
-    import ragged_fsdp.fsdp.comms.quant_gather as qg
-    for mod in (col, mx, qg):
-        for name in ("all_gather_single", "_all_gather_single"):
-            if hasattr(mod, name):
-                setattr(mod, name, _counting(getattr(mod, name)))
+    # Before ragged_fsdp is imported: ragged_fsdp.comm binds dist's all-gather at its import and
+    # every engine module takes it from there; torch's FSDP2 looks dist's up at each call.
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if getattr(dist, name, None) is not None:
+            setattr(dist, name, _counting(getattr(dist, name)))
+
+
+_install_counters()
+
+from ragged_fsdp import MXFP8  # noqa: E402
+from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
+from ragged_fsdp import fully_shard as ragged_shard
+from ragged_fsdp.models import Llama, LlamaConfig
+from ragged_fsdp.models.moe import MoE, MoEConfig
 
 
 def _linear_filter(name: str, p: torch.Tensor) -> bool:
@@ -137,7 +133,6 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    _install_counters()
     rows = [run(m, a.steps) for m in a.models.split(",")]
     if dist.get_rank() == 0:
         for r in rows:

@@ -150,18 +150,18 @@ def _base_equal(model, ref) -> bool:
 
 
 def _blocks_whole(model) -> bool:
-    from ragged_fsdp.fsdp.core.subclass_unit import SubclassUnit
-
+    """Every rank's piece of every 4-bit weight starts and ends on a quantisation block,
+    read off the sharded parameters' RaggedShard placements (public: ``DTensor.placements``)."""
     span = 64 * 256
     for b in model.layers:
-        for u in b._fsdp_state().group.units:
-            if isinstance(u, SubclassUnit):
-                for s in u.buf.slots:
-                    n = s.numel
-                    for r in range(u.comm.world_size):
-                        a, e = s.placement.element_range(s.shape, r)
-                        if a != e and (a % span or (e % span and e != n)):
-                            return False
+        for p in b.parameters():
+            if not hasattr(p.to_local(), "fsdp_pre_all_gather"):
+                continue  # the LoRA adapters: plain tensors
+            pl, n = p.placements[0], p.numel()
+            for r in range(pl.world_size):
+                a, e = pl.element_range(p.shape, r)
+                if a != e and (a % span or (e % span and e != n)):
+                    return False
     return True
 
 

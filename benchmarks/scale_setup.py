@@ -129,13 +129,10 @@ class _Counter:
 @contextlib.contextmanager
 def _timed_checks(out: list):
     """Adds the CPU seconds of ragged_fsdp's cross-rank checks (layout and mesh answers) to
-    ``out[0]``: they are looked up through these module attributes at call time."""
-    from ragged_fsdp.fsdp import api
-    from ragged_fsdp.fsdp.core import build
+    ``out[0]``, through the engine's public probe point ``cross_rank_checks``."""
+    from ragged_fsdp.fsdp import probe
 
-    saved = (build.check_same_layout, api.check_same_answers)
-
-    def timed(fn):
+    def timed(point, fn):
         def run(*a, **k):
             t0 = time.process_time()
             try:
@@ -144,11 +141,8 @@ def _timed_checks(out: list):
                 out[0] += time.process_time() - t0
         return run
 
-    build.check_same_layout, api.check_same_answers = timed(saved[0]), timed(saved[1])
-    try:
+    with probe(timed, ["cross_rank_checks"]):
         yield
-    finally:
-        build.check_same_layout, api.check_same_answers = saved
 
 
 def _fully_shard(framework: str):

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("pure", ("shapes", "run_counts", "ragged_units")),  # integers and shapes, no torch.distributed
     ("planner", ("planner",)),
     ("dbuffer", ("dbuffer",)),
-    ("comm", ("comm", "agreement")),  # collectives, and the one "every rank agrees, or every rank raises" protocol
+    ("comm", ("comm", "agreement", "device")),  # collectives, the device seam every launch goes through, and the one "every rank agrees, or every rank raises" protocol
     ("placement", ("placement",)),
     ("quant", ("quant",)),
     ("fsdp", ("fsdp",)),  # its own order: FSDP_LAYERS
@@ -34,11 +34,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 FSDP_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("private", ("torch_private",)),  # every private torch call of the engine, one function each
     ("tracing", ("tracing",)),  # the public record of a step: every layer above records into it
-    ("comms", ("comms",)),  # the device seam, the collectives and the user's comm-hook records
+    ("comms", ("comms",)),  # the collectives and the user's comm-hook records
     ("compat", ("compat",)),  # torch FSDP2's contracts, typed by protocols: nothing of core imported
     ("core", ("core",)),  # the life of one fully_shard call: groups, units, backward, reductions
     ("offload", ("offload",)),  # host memory: handed to units, and the whole-model phase switch
-    ("api", ("api", "deterministic", "same_init", "__init__")),  # what users call
+    ("api", ("api", "deterministic", "same_init", "probes", "__init__")),  # what users call, and the front door
 ]
 
 # Imports against the order that exist today, each (importer, imported). Remove an entry when

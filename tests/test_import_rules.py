@@ -171,3 +171,54 @@ def test_the_layer_rule_can_fail():
                              ("ragged_fsdp.fsdp.torch_private", "ragged_fsdp.fsdp.tracing"),
                              ("ragged_fsdp.planner.plan", "ragged_fsdp.fsdp.api")]
     assert [n for n, _ in FSDP_LAYERS][:3] == ["private", "tracing", "comms"] and LAYERS[0][0] == "pure"
+
+
+# -- the engine's front door: outside fsdp/, only ``ragged_fsdp.fsdp`` itself is imported -------
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+FRONT = "ragged_fsdp.fsdp"
+
+
+def _past_the_door(importer: str, targets) -> list[tuple[str, str]]:
+    return sorted((importer, t) for t in targets if t.startswith(FRONT + "."))
+
+
+def _benchmark_imports(source: str) -> set[str]:
+    """The ragged_fsdp modules a script imports (absolute imports: benchmarks are scripts)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                    for a in node.names}
+    return {t for t in out if t.startswith("ragged_fsdp")}
+
+
+def _front_door_violations(graph, scripts: dict[str, set[str]]) -> list[tuple[str, str]]:
+    bad = []
+    for m, (ours, _) in graph.items():
+        if m != FRONT and not m.startswith(FRONT + "."):
+            bad += _past_the_door(m, ours)
+    for name, targets in scripts.items():
+        bad += _past_the_door(name, targets)
+    return sorted(bad)
+
+
+def test_outside_the_engine_only_its_front_door_is_imported():
+    scripts = {f"benchmarks/{p.name}": _benchmark_imports(p.read_text()) for p in sorted(BENCHMARKS.glob("*.py"))}
+    assert len(scripts) > 20
+    bad = _front_door_violations(GRAPH, scripts)
+    assert not bad, ("imports of the engine's insides from outside fsdp/ (import them from ragged_fsdp.fsdp, "
+                     "exporting them there, or use its public probe ragged_fsdp.fsdp.probe):\n"
+                     + "\n".join(f"  {m} imports {t}" for m, t in bad))
+
+
+def test_the_front_door_rule_can_fail():
+    fake = {"ragged_fsdp.optim.adamw": ({"ragged_fsdp.fsdp.offload.staging", "ragged_fsdp.fsdp"}, set()),
+            "ragged_fsdp.fsdp.api": ({"ragged_fsdp.fsdp.core.init"}, set())}
+    scripts = {"benchmarks/x.py": _benchmark_imports("from ragged_fsdp.fsdp.core import reduction\n"
+                                                         "from ragged_fsdp.fsdp import probe\n")}
+    assert _front_door_violations(fake, scripts) == [("benchmarks/x.py", "ragged_fsdp.fsdp.core.reduction"),
+                                                     ("ragged_fsdp.optim.adamw", "ragged_fsdp.fsdp.offload.staging")]
+

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # for type checkers and the API reference (mkdocstrings reads these statically)
     from .fsdp import (FSDPModule, OffloadPolicy, UnshardHandle, check_same_init, fully_shard, load_to_device,
                        offload_to_host, register_fsdp_forward_method, sync_module_states)
-    from .fsdp.deterministic import abort_step, global_order
+    from .fsdp import abort_step, global_order
     from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
     from .quant import MXFP8, BlockFP8, GradientReduce
 
@@ -27,7 +27,7 @@ _PUBLIC = {
     "RaggedShard": ".placement", "RaggedDTensor": ".placement", "distribute_tensor": ".placement",
     "from_local": ".placement", "redistribute": ".placement",
     "BlockFP8": ".quant", "MXFP8": ".quant", "GradientReduce": ".quant",
-    "global_order": ".fsdp.deterministic", "abort_step": ".fsdp.deterministic",
+    "global_order": ".fsdp", "abort_step": ".fsdp",
 }
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",

@@ -19,7 +19,7 @@ collective's tensors can do so while the interpreter is fully alive. No collecti
 issued and nothing waits on a peer; a script that destroyed its process groups pays
 nothing.
 
-The hook is registered by ``ragged_fsdp.fsdp.comms.device`` (the module every collective the
+The hook is registered by ``ragged_fsdp.device`` (the module every collective the
 engine launches goes through) when it is first imported: ``import ragged_fsdp`` loads its public
 names on first use and imports no torch, so registering here at import would miss scripts that
 reach the engine by ``from ragged_fsdp.fsdp import ...`` and cost every ``--help`` a torch import.
@@ -28,6 +28,6 @@ This module keeps the explanation and the public names.
 
 from __future__ import annotations
 
-from .fsdp.comms.device import HAND_OFF_S, at_exit, drain
+from .device import HAND_OFF_S, at_exit, drain
 
 __all__ = ["HAND_OFF_S", "at_exit", "drain"]

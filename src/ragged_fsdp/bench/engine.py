@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ..models.workloads import VOCAB, build
 from .config import MESH_VARIANTS, VARIANTS, WORKLOADS, BenchConfig  # noqa: F401 (re-exported)
+from ..fsdp import hsdp_segment_bytes  # re-exported: its old home
 
 COUNTED = ("ragged_fsdp", "fsdp2")  # frameworks whose collectives are counted (Python calls)
 MEM_KINDS = ("Parameter", "Buffer", "Gradient", "Optstate", "Activation", "Temp", "Other")
@@ -292,28 +293,6 @@ def count_comm(step, mesh) -> dict:
         "c10d_calls": ops.get_total_counts() if ops is not None else None,
         "rows": counter.rows(),
     }
-
-
-def hsdp_segment_bytes(model: torch.nn.Module) -> int:
-    """Sum over ragged_fsdp's trainable buffers that have a replicate dim of the sharded
-    segment's bytes in the reduce dtype: what its HSDP all-reduces should send per step
-    (one all-reduce of the reduce-scattered segment per buffer), read off the groups."""
-    from ragged_fsdp.fsdp.core.init import state_of
-
-    total, seen = 0, set()
-    for m in model.modules():
-        st = state_of(m)
-        g = getattr(st, "group", None)
-        if g is None or id(g) in seen:
-            continue
-        seen.add(id(g))
-        for b, buf in enumerate(g.buffers):
-            rep = g.units[b].dp.replicate
-            if rep is None or rep.world_size == 1:
-                continue
-            if any(i.buffer == b and i.sharded.requires_grad for i in g.infos):
-                total += buf.segment * torch.empty((), dtype=buf.reduce_dtype).element_size()
-    return total
 
 
 def _profile(step) -> str:

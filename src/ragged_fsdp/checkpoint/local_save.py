@@ -68,7 +68,7 @@ from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.placement import RaggedDTensor
 
-from ragged_fsdp.fsdp.core.residual_state import is_residual_key, warn_zeroed_residuals
+from ragged_fsdp.fsdp import is_residual_key, warn_zeroed_residuals
 
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, check_crc32, crc32

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ragged_fsdp.fsdp.core.residual_state import ResidualWarning, is_residual_key
+from ragged_fsdp.fsdp import ResidualWarning, is_residual_key
 
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, ChecksummedReader

@@ -61,7 +61,7 @@ def _rows(dt) -> tuple[int, int]:
 @torch.no_grad()
 def gather_quantised(dt: RaggedDTensor, key: str) -> torch.Tensor:
     """The unsharded subclass value of ``dt`` on every rank of its mesh (collective)."""
-    from ragged_fsdp.fsdp.compat.subclass_gather import call_pre_all_gather
+    from ragged_fsdp.quant.foreign import call_pre_all_gather
 
     local = dt._local_tensor
     shape = tuple(dt.shape)
@@ -84,7 +84,7 @@ def gather_quantised(dt: RaggedDTensor, key: str) -> torch.Tensor:
 
 def shard_quantised(key: str, full, like: RaggedDTensor) -> DTensor:
     """This rank's rows of the full subclass value ``full``, laid out like ``like``."""
-    from ragged_fsdp.fsdp.compat.subclass_gather import adopt_foreign, rows_of
+    from ragged_fsdp.quant.foreign import adopt_foreign, rows_of
 
     piece_type = type(like._local_tensor)
     if not isinstance(full, torch.Tensor) or type(adopt_foreign(full)) is not piece_type:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ragged_fsdp.fsdp.core.stale_optimizer import check_optimizer
+from ragged_fsdp.fsdp import check_optimizer
 
 from .state_dict import StateDictOptions, get_state_dict, get_model_state_dict, set_model_state_dict, set_state_dict
 

@@ -2,5 +2,6 @@
 from .buffer import DBuffer
 from .layout import BufferLayout, TensorSlot
 from .planning import plan_layout
+from .store import GradientHalf, UnitStore
 
-__all__ = ["DBuffer", "BufferLayout", "TensorSlot", "plan_layout"]
+__all__ = ["DBuffer", "BufferLayout", "TensorSlot", "plan_layout", "UnitStore", "GradientHalf"]

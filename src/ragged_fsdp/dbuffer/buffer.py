@@ -25,29 +25,15 @@ Casts, zeroing and scaling run once over a whole flat tensor, never per paramete
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from ragged_fsdp.shapes import contiguous_stride
-
-from .layout import BufferLayout, TensorSlot
+from .layout import BufferLayout
+from .store import GradientHalf
 
 __all__ = ["DBuffer"]
 
 
-def _alias(flat: torch.Tensor, offset: int, shape: Sequence[int]) -> torch.Tensor:
-    """A tensor on ``flat``'s storage that is *not* an autograd view: it has its own
-    version counter, so in-place writes through it are visible in ``_version``."""
-    out = torch.empty(0, dtype=flat.dtype, device=flat.device)
-    with torch.no_grad():
-        out.set_(flat.untyped_storage(), flat.storage_offset() + offset, tuple(shape), contiguous_stride(shape))
-    return out
-
-
-
-
-class DBuffer:
+class DBuffer(GradientHalf):
     """Flat storage of one group of tensors of one dtype (see the module docstring)."""
 
     def __init__(
@@ -107,28 +93,6 @@ class DBuffer:
         """``fully_shard(all_gather_quant=...)``: gather this buffer as codes + scales
         (``state``: ``fsdp/comms/quant_gather.py``'s ``QuantState``)."""
         self.quant = state
-
-    # -- layout helpers ----------------------------------------------------------------
-    @property
-    def slots(self) -> tuple[TensorSlot, ...]:
-        return self.layout.slots
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
-
-    @property
-    def rank(self) -> int:
-        return self.layout.rank
-
-    @property
-    def segment(self) -> int:
-        return self.layout.segment
-
-    def local_view(self, seg: torch.Tensor, i: int) -> torch.Tensor:
-        """Slot ``i``'s run of a segment-sized tensor ``seg``, in the slot's local shape."""
-        s = self.slots[i]
-        return seg.narrow(0, s.local_offset, s.local_numel).view(s.local_shape)
 
     def sharded_view(self, i: int) -> torch.Tensor:
         return self.local_view(self.sharded, i)
@@ -220,38 +184,6 @@ class DBuffer:
         slot = self.unsharded.narrow(0, self.rank * self.segment, self.segment)
         slot.copy_(src)
         return slot
-
-    # -- gradient buffers ----------------------------------------------------------------
-    def alloc_grad(self, allocate=None) -> torch.Tensor:
-        """A zeroed unsharded gradient buffer with per-slot aliases (see :meth:`grad_view`).
-        ``allocate(numel, dtype, device)``, if given, provides its memory (a custom
-        reduce-scatter's ``allocate``)."""
-        if self.grad is None:
-            if allocate is None:
-                self.grad = torch.zeros(self.layout.total, dtype=self.reduce_dtype, device=self.device)
-            else:
-                self.grad = allocate(self.layout.total, self.reduce_dtype, self.device)
-                self.grad.zero_()
-            self._grad_views = [_alias(self.grad, s.offset, s.shape) for s in self.slots]
-            self._grad_versions = [v._version for v in self._grad_views]
-        return self.grad
-
-    def grad_view(self, i: int) -> torch.Tensor:
-        return self._grad_views[i]
-
-    def grad_touched(self, i: int) -> bool:
-        """Whether anything was written into slot ``i`` of the gradient buffer through its
-        alias (autograd accumulates in place, which bumps the alias' version)."""
-        return self.grad is not None and self._grad_views[i]._version != self._grad_versions[i]
-
-    def take_grad(self) -> torch.Tensor | None:
-        """Hand over the gradient buffer (the caller reduces and drops it)."""
-        g, self.grad, self._grad_views, self._grad_versions = self.grad, None, [], []
-        return g
-
-    def new_sharded_grad(self, zero: bool = False) -> torch.Tensor:
-        make = torch.zeros if zero else torch.empty
-        return make(self.segment, dtype=self.dtype, device=self.device)
 
     # -- moving ----------------------------------------------------------------------------
     def rebuild(self, device: torch.device, dtype: torch.dtype) -> None:

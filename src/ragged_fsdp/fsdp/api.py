@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from ragged_fsdp.agreement import agree
 from ragged_fsdp.quant import MXFP8, BlockFP8
 
-from .comms.device import device_for
+from ..device import device_for
 from .core.init import (
     collect_params, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of,

@@ -10,7 +10,15 @@ The engine needs a few things torch documents no way to do:
   was, so autograd does not see the all-gather as an in-place change of the parameters it
   saved, and count a custom comm's tensor's storage references before adopting its memory;
 * the hooks and the trace (``fsdp/core/``, ``fsdp/tracing.py``): tell whether the autograd
-  engine is running (activation-checkpoint recomputation, events recorded in backward).
+  engine is running (activation-checkpoint recomputation, events recorded in backward), and
+  queue the end-of-backward callback.
+
+It also re-exports the names of torch's private modules the engine uses as they are (pytree,
+``DTensorSpec``, the composable contract's ``STATE_KEY``), so no other engine module imports
+a private torch module (``tests/test_torch_private_names.py`` checks it). The engine reads a
+few private *attributes* of public objects besides (a DTensor's ``_local_tensor`` and
+``_spec``, a tensor's ``_version``, a module's ``_apply`` and state-dict hook registration);
+that test lists them, and a new one fails it.
 
 Each function below names the private call it makes and the behaviour the engine relies on.
 ``tests/test_torch_private.py`` checks each of those behaviours on every torch the CI runs
@@ -30,8 +38,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["TorchPrivateMissing", "saved_tensors_hooks_top", "push_saved_tensors_hooks",
+try:
+    from torch.distributed._composable.contract import STATE_KEY
+except ImportError:  # pragma: no cover - a torch without the composable contract
+    STATE_KEY = None
+
+__all__ = ["DTensorSpec", "tree_flatten", "tree_map", "tree_unflatten", "STATE_KEY", "queue_callback",
+           "TorchPrivateMissing", "saved_tensors_hooks_top", "push_saved_tensors_hooks",
            "pop_saved_tensors_hooks", "storage_use_count", "tensor_use_count", "set_version_counter",
            "graph_task_id", "in_backward", "preserve_version_counter", "swap_storage", "has_swap_storage"]
 
@@ -173,3 +189,13 @@ def swap_storage(a: torch.UntypedStorage, b: torch.UntypedStorage) -> None:
     (``fsdp/comms/custom.py``); callers check :func:`has_swap_storage` first."""
     _private(torch.UntypedStorage, "_swap_data_ptr_", "swap_storage",
              "a custom all-gather's memory is never adopted (gathered into the comm's tensor and copied out)")(a, b)
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once when the autograd engine finishes the current backward pass.
+
+    Calls ``torch.autograd.Variable._execution_engine.queue_callback(fn)`` (what torch's own
+    FSDP2 calls). Relied on: called from inside a backward pass (a hook), ``fn`` runs on this
+    thread after every node and hook of that pass, before ``backward()`` returns."""
+    _private(torch.autograd.Variable._execution_engine, "queue_callback", "queue_callback",
+             "the end-of-backward reduction cannot run")(fn)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ragged_fsdp.fsdp.comms.device import Device, Pending
+from ragged_fsdp.device import Device, Pending
 
 __all__ = ["step_streamed"]
 

@@ -39,8 +39,8 @@ from torch.optim.adamw import adamw as _torch_adamw
 from torch.optim.optimizer import _get_scalar_dtype
 
 from ..placement.dtensor import RaggedDTensor
-from ragged_fsdp.fsdp.comms.device import device_for
-from ragged_fsdp.fsdp.offload.staging import policy_of
+from ragged_fsdp.device import device_for
+from ragged_fsdp.fsdp import policy_of
 
 from ._grouped import adamw_grouped, flat_states
 from ._layout import layout_of, local_of, param_name, place_state

@@ -46,25 +46,22 @@ math on each rank's elements, with AdamW's defaults for keys the group leaves ou
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ragged_fsdp.fsdp.comms.device import device_for
+from ragged_fsdp.agreement import agree
+from ragged_fsdp.device import device_for
 
 from ._gather import gather_set
 from ._grouped import adamw_grouped, flat_states, restore_flat_views
 from ._layout import Layout, layout_of, load_scalars, local_of, param_name, place_state
 from ._state_check import MARK, check_layout, check_state_dict, layout_record
-from .muon_plan import (
-    DEFAULT_NS_STEPS, Batch, assign_owners, auto_wave_bytes, blend_chunk, finish_wave, make_waves, matrices_of,
-    newton_schulz_flops, ns_floor_bytes, ns_workspace_bytes, schedule,
-)
+from .muon_buffers import ns_workspace_bytes
+from .muon_exec import WaveRun, _scalar, adjust_lr
+from .muon_plan import DEFAULT_NS_STEPS, newton_schulz_flops, per_rank, plan_step
 from .routing import check_finite, muon_granularity
 
 __all__ = ["Muon", "newton_schulz", "newton_schulz_flops", "ns_workspace_bytes", "adjust_lr", "ADAMW_DEFAULTS",
@@ -127,22 +124,6 @@ def _newton_schulz_(x, coefficients, steps: int, eps: float) -> torch.Tensor:
         x = torch.addmm(x, poly, x, beta=a)
         del poly
     return x.T if tall else x
-
-
-def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
-    """Muon's per-shape learning rate: ``"original"`` (default) scales by
-    ``sqrt(max(1, rows/cols))``, ``"match_rms_adamw"`` by ``0.2 * sqrt(max(rows, cols))``."""
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        ratio = math.sqrt(max(1, rows / cols))
-    elif adjust_lr_fn == "match_rms_adamw":
-        ratio = 0.2 * math.sqrt(max(rows, cols))
-    else:
-        ratio = 1.0
-    return lr * ratio
-
-
-def _scalar(x) -> float:
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
 
 # -- the optimizer -----------------------------------------------------------------------
@@ -346,8 +327,8 @@ class Muon(Optimizer):
         plan = self._plan(work)
         stats = {"ns_flops": 0, "ns_matrices": 0, "bytes_sent": plan.bytes_sent,
                  "bytes_recv": plan.bytes_recv, "allgather_bytes_sent": plan.allgather_bytes_sent,
-                 "ns_flops_per_rank": _per_rank(plan.loads), "waves": plan.waves,
-                 "step_bytes_per_rank": _per_rank(plan.peaks)}
+                 "ns_flops_per_rank": per_rank(plan.loads), "waves": plan.waves,
+                 "step_bytes_per_rank": per_rank(plan.peaks)}
         for (gi, group, items), batches in zip(work, plan.batches):
             self._muon_group(group, items, batches, stats)
         self.last_step_stats = stats
@@ -373,7 +354,7 @@ class Muon(Optimizer):
                     f"{getattr(p, 'placements', None)}); redistribute the gradient to the parameter's layout"
                 )
 
-    def _plan(self, work) -> "_Plan":
+    def _plan(self, work):
         key = tuple(
             (gi, group["ns_steps"], tuple((i, id(p), lay.key()) for i, p, lay in items))
             for gi, group, items in work
@@ -381,40 +362,13 @@ class Muon(Optimizer):
         key = (self.wave_bytes, key)
         if self._plan_cache is not None and self._plan_cache[0] == key:
             return self._plan_cache[1]
-        all_batches = []
-        for gi, group, items in work:
-            by_group: dict = {}
-            for slot, (i, p, lay) in enumerate(items):
-                gs = gather_set(lay)
-                b = by_group.get(id(gs.group))
-                if b is None:
-                    b = by_group[id(gs.group)] = Batch(gs.group, gs.me, gs.world)
-                state_bytes = 2 * p.element_size() + self.state[p]["momentum_buffer"].element_size() \
-                    if "momentum_buffer" in self.state[p] else 3 * p.element_size()
-                b.matrices.extend(matrices_of(slot, lay, gs, group["ns_steps"], state_bytes))
-            all_batches.append(list(by_group.values()))
-        flat = [b for bs in all_batches for b in bs]
-        cap = self.wave_bytes
-        if cap == "auto":
-            cap = auto_wave_bytes([m for b in flat for m in b.matrices])
-        for b in flat:
-            b.waves = make_waves(b.matrices, cap)
-            if b.group is not None:
-                self._agree(b.group)
-        owners = assign_owners(flat)
-        plan = _Plan(all_batches, owners["flops"], owners["peak"])
-        for b in flat:
-            for wave in b.waves:
-                sent, ag = finish_wave(wave, b.rank, b.world, b.group is not None)
-                plan.bytes_sent += sent
-                plan.bytes_recv += sent
-                plan.allgather_bytes_sent += ag
-                plan.waves += 1
-        if self.wave_bytes is not None:
-            # the bounded step stays within one torch Newton-Schulz on the largest matrix
-            budget = max((ns_floor_bytes(m.rows, m.cols) for b in flat for m in b.matrices), default=0)
-            for b in flat:
-                schedule(b, budget)
+
+        def state_bytes(p):
+            st = self.state[p]
+            return (2 * p.element_size() + st["momentum_buffer"].element_size() if "momentum_buffer" in st
+                    else 3 * p.element_size())
+
+        plan = plan_step(work, state_bytes, self.wave_bytes, self._agree)
         self._plan_cache = (key, plan)
         return plan
 
@@ -422,13 +376,7 @@ class Muon(Optimizer):
         """Every rank of ``group`` must cut the same waves (they run collectives per wave)."""
         if id(group) in self._agreed:
             return
-        v = {None: -1, "auto": -2}.get(self.wave_bytes, self.wave_bytes)
-        t = torch.tensor([v, -v], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        if int(t[0]) != v or int(-t[1]) != v:
-            other = {-1: None, -2: "auto"}.get(int(t[0]), int(t[0]))
-            raise ValueError(f"Muon: wave_bytes differs across ranks (this rank {self.wave_bytes!r}, others up to "
-                             f"{other!r}); pass the same value on every rank")
+        agree("Muon: wave_bytes", self.wave_bytes, group=group)
         self._agreed.add(id(group))
 
     def _muon_group(self, group, items, batches, stats):
@@ -444,7 +392,15 @@ class Muon(Optimizer):
         # same bits as on whole tensors
         for batch in batches:
             if batch.waves:
-                _WaveRun(self, batch, items, group, stats).run()
+                WaveRun(self, batch, items, group, stats, self._device(items), _newton_schulz_).run()
+
+    def _device(self, items):
+        """The device seam of the items' device, made once (looked up here, at call time)."""
+        dev = self.__dict__.setdefault("_devices", {})
+        device = local_of(items[0][1]).device
+        if device not in dev:
+            dev[device] = device_for(device)
+        return dev[device]
 
 
     # -- AdamW groups ----------------------------------------------------------------
@@ -507,275 +463,6 @@ class Muon(Optimizer):
         views = {p: dict(v) for p, v in self._views.items()}
         _load_resharded(self, state_dict, lambda key: None)
         restore_flat_views(self, views)
-
-
-class _WaveRun:
-    """One batch's step, wave by wave: the forward all-to-all of wave ``k + 1`` is launched
-    before wave ``k`` is orthogonalised (on CUDA it runs on the device seam's ``"muon"`` lane,
-    a side stream), and wave ``k - 1``'s results travel back while wave ``k`` is
-    orthogonalised, each where the plan's :func:`~.muon_plan.schedule` found that it fits
-    in the step's budget (the same decision on every rank, so the collectives match).
-
-    Buffers, each alive only while needed: the forward sends ``send`` (this rank's pieces, by
-    owner then matrix order) into ``recv`` (the owner's pieces, by source then matrix order);
-    ``send`` goes once the pieces landed. An owner of one matrix of the wave lets ``recv`` go
-    once the matrix is assembled and puts the results in a buffer made after Newton-Schulz;
-    an owner of several writes each result into the ``recv`` slots its pieces came from. The
-    return trip sends that buffer into ``res``, laid out like ``send`` was."""
-
-    def __init__(self, opt: Muon, batch, items, group, stats):
-        self.opt, self.batch, self.items, self.group, self.stats = opt, batch, items, group, stats
-        self.me = batch.rank
-        self.local_start = [lay.local_range[0] for _, _, lay in items]
-        self.lr = _scalar(group["lr"])
-        dev = opt.__dict__.setdefault("_devices", {})
-        device = local_of(items[0][1]).device
-        if device not in dev:
-            dev[device] = device_for(device)
-        self.dev = dev[device]
-
-    def _update_piece(self, m, out: torch.Tensor) -> None:
-        """This rank's piece of ``m``'s Nesterov-blended update, rounded to bf16 into ``out``
-        (the rounding of ``.bfloat16()``)."""
-        a, b = m.pieces[self.me]
-        off = self.local_start[m.slot]
-        _, p, _ = self.items[m.slot]
-        g = local_of(p.grad).reshape(-1)[a - off: b - off]
-        buf = local_of(self.opt.state[p]["momentum_buffer"]).view(-1)[a - off: b - off]
-        if not self.group["nesterov"]:
-            out.copy_(buf)
-            return
-        # the blend in chunks from the piece's start: a whole-piece ``g.lerp(buf)`` is a
-        # full-precision copy of the piece (2x its bf16 bytes), the step's largest temporary
-        # before Newton-Schulz; a pointwise op gives the same bits on any slice, and chunks
-        # of a multiple of 64 elements (of every SIMD width) keep the vector/tail split
-        momentum = self.group["momentum"]
-        step = blend_chunk(m.rows, m.cols)
-        for i in range(0, b - a, step):
-            j = min(i + step, b - a)
-            out[i:j].copy_(g[i:j].lerp(buf[i:j], momentum))
-
-    def _apply(self, m, res: torch.Tensor) -> None:
-        """Decoupled weight decay and the update on this rank's piece of ``m``."""
-        a, b = m.pieces[self.me]
-        off = self.local_start[m.slot]
-        _, p, lay = self.items[m.slot]
-        pl = local_of(p).view(-1)[a - off: b - off]
-        pl.mul_(1 - self.lr * self.group["weight_decay"])
-        pl.add_(res, alpha=-adjust_lr(self.lr, self.group["adjust_lr_fn"], m.rows, m.cols))
-
-    def _forward(self, wave):
-        """Launch the wave's pieces to their owners; ``[pending, send, recv]`` or None."""
-        if not wave.needs_comm:
-            return None
-        me, world = self.me, self.batch.world
-        ref = local_of(self.items[0][1].grad)
-        send = torch.empty(sum(wave.send_split), dtype=torch.bfloat16, device=ref.device)
-        o = 0
-        for d in range(world):
-            if d == me:
-                continue
-            for m in wave.matrices:
-                n = m.held(me)
-                if m.owner == d and n:
-                    self._update_piece(m, send[o: o + n])
-                    o += n
-        recv = send.new_empty(sum(wave.recv_split))
-        group = self.batch.group
-
-        def comm(async_op, recv=recv, send=send, wave=wave):
-            return _all_to_all(recv, send, wave.recv_split, wave.send_split, group, async_op)
-
-        return [self.dev.launch("muon", comm, keep=(send, recv), out=(recv,)), send, recv]
-
-    def _arrived(self, fwd) -> list | None:
-        """Wait for a forward; its send buffer goes (the results come into a new one)."""
-        if fwd is None:
-            return None
-        fwd[0].wait()
-        recv = fwd[2]
-        self.dev.release(fwd[1])  # now, not when gloo drops its reference: Newton-Schulz follows
-        fwd.clear()
-        return [recv]
-
-    def _orthogonalise(self, wave, held_recv) -> torch.Tensor | None:
-        """Newton-Schulz on the wave's matrices this rank owns; returns the buffer of results
-        to send back (laid out like ``recv``), or None without a collective."""
-        me, world = self.me, self.batch.world
-        coeffs, steps, eps = self.group["ns_coefficients"], self.group["ns_steps"], self.group["eps"]
-        recv = held_recv.pop() if held_recv is not None else None
-        recv_off = _offsets(wave.recv_split)
-        owned = [m for m in wave.matrices if m.owner == me]
-        ret = recv
-        for m in owned:
-            gs = m.gs
-            size = m.end - m.start
-            h, w = gs.tile
-            full = torch.empty(m.rows * m.cols, dtype=torch.bfloat16, device=self.dev.device)
-            tiles = {} if gs.tiled else {(0, 0): full}  # one flat buffer per tile
-            slots = []  # (tile, lo, hi, recv offset) of the pieces that came from other ranks
-            for r in range(world):
-                a, b = m.pieces[r]
-                if b <= a:
-                    continue
-                dst = tiles.get(gs.offsets[r])
-                if dst is None:
-                    dst = tiles[gs.offsets[r]] = full.new_empty(size)
-                if r == me:
-                    self._update_piece(m, dst[a - m.start: b - m.start])
-                else:
-                    dst[a - m.start: b - m.start] = recv[recv_off[r]: recv_off[r] + (b - a)]
-                    slots.append((gs.offsets[r], a, b, recv_off[r]))
-                    recv_off[r] += b - a
-            whole = full.view(m.rows, m.cols)
-            if gs.tiled:  # TP tiles into the global matrix
-                for (r0, c0), t in tiles.items():
-                    whole[r0: r0 + h, c0: c0 + w] = t.view(h, w)
-                tiles = None
-            if len(owned) == 1 and recv is not None:
-                # the only matrix of the wave here: its pieces are assembled, so the received
-                # buffer goes before Newton-Schulz and the results get one made after it
-                n_recv = recv.numel()
-                self.dev.release(recv)
-                ret = recv = None
-            # hand the input over: with no reference left here its storage is freed after
-            # Newton-Schulz's first iteration, so the input and the last two iterates are
-            # never live at once (one matrix less at the step's peak; same operations)
-            held = [whole]
-            whole = full = tiles = dst = None
-            out = _newton_schulz_(held, coeffs, steps, eps)
-
-            def tile_of(o, out=out):
-                return out[o[0]: o[0] + h, o[1]: o[1] + w] if gs.tiled else out
-
-            a, b = m.pieces[me]
-            if b > a:  # before the results buffer exists: one matrix less at this moment
-                self._apply(m, tile_of(gs.offsets[me]).reshape(-1)[a - m.start: b - m.start])
-            if slots and ret is None:
-                ret = torch.empty(n_recv, dtype=torch.bfloat16, device=self.dev.device)
-            for o, a, b, at in slots:  # results into the slots the pieces came from
-                _copy_flat(ret[at: at + (b - a)], tile_of(o), a - m.start, b - m.start)
-            del out, tile_of  # the closure holds the result too
-            self.opt.ns_calls += 1
-            self.stats["ns_flops"] += m.flops
-            self.stats["ns_matrices"] += 1
-        if ret is None and wave.needs_comm:  # nothing owned here that came from elsewhere
-            ret = torch.empty(sum(wave.recv_split), dtype=torch.bfloat16, device=self.dev.device)
-        return ret
-
-    def _back(self, wave, ret):
-        """Launch the results back (``ret`` -> a new ``res``)."""
-        if not wave.needs_comm:
-            return None
-        res = ret.new_empty(sum(wave.send_split))
-        group = self.batch.group
-
-        def comm(async_op, ret=ret, res=res, wave=wave):
-            return _all_to_all(res, ret, wave.send_split, wave.recv_split, group, async_op)
-
-        return self.dev.launch("muon", comm, keep=(res, ret), out=(res,), post=lambda: self.dev.release(ret)), res
-
-    def _finish(self, wave, back) -> None:
-        if back is None:
-            return
-        pending, res = back
-        pending.wait()
-        me, world = self.me, self.batch.world
-        o = 0
-        for d in range(world):
-            if d == me:
-                continue
-            for m in wave.matrices:
-                n = m.held(me)
-                if m.owner == d and n:
-                    self._apply(m, res[o: o + n])
-                    o += n
-        self.dev.release(res)
-
-    def run(self) -> None:
-        waves = self.batch.waves
-        fwd = self._forward(waves[0])
-        prev = None  # (wave, back) whose results are still travelling
-        for k, wave in enumerate(waves):
-            last = k + 1 == len(waves)
-            if prev is not None and not wave.overlap_prev:
-                self._finish(*prev)
-                prev = None
-            nxt = self._forward(waves[k + 1]) if not last and wave.overlap_next else None
-            ret = self._orthogonalise(wave, self._arrived(fwd))
-            fwd = None
-            back = self._back(wave, ret)
-            ret = None
-            if prev is not None:
-                self._finish(*prev)
-                prev = None
-            prev, back = (wave, back), None  # one reference: finishing it frees its buffers
-            if not last and not wave.overlap_next:
-                self._finish(*prev)
-                prev = None
-                nxt = self._forward(waves[k + 1])
-            fwd, nxt = nxt, None
-        if prev is not None:
-            self._finish(*prev)
-
-
-def _copy_flat(dst: torch.Tensor, mat: torch.Tensor, lo: int, hi: int) -> None:
-    """``dst.copy_(mat.reshape(-1)[lo:hi])`` without the whole-matrix copy ``reshape`` makes
-    of a non-contiguous ``mat`` (a tall matrix's transposed result, a TP tile): the partial
-    first row, the whole rows, the partial last row."""
-    if mat.is_contiguous():
-        dst.copy_(mat.view(-1)[lo:hi])
-        return
-    cols = mat.size(1)
-    r0, c0 = divmod(lo, cols)
-    r1, c1 = divmod(hi, cols)
-    if r0 == r1:
-        dst.copy_(mat[r0, c0:c1])
-        return
-    o = 0
-    if c0:
-        dst[: cols - c0].copy_(mat[r0, c0:])
-        o, r0 = cols - c0, r0 + 1
-    if r1 > r0:
-        dst[o: o + (r1 - r0) * cols].view(r1 - r0, cols).copy_(mat[r0:r1])
-        o += (r1 - r0) * cols
-    if c1:
-        dst[o: o + c1].copy_(mat[r1, :c1])
-
-
-@dataclass
-class _Plan:
-    batches: list
-    loads: dict  # id(group) -> per-rank Newton-Schulz flops
-    peaks: dict  # id(group) -> per-rank estimated bytes during the step
-    bytes_sent: int = 0
-    bytes_recv: int = 0
-    allgather_bytes_sent: int = 0
-    waves: int = 0
-
-
-def _per_rank(loads: dict):
-    """Per-rank Newton-Schulz flops of the widest process group (what a report shows)."""
-    if not loads:
-        return []
-    return list(max(loads.values(), key=len))
-
-
-def _offsets(split: list[int]) -> list[int]:
-    out, acc = [], 0
-    for s in split:
-        out.append(acc)
-        acc += s
-    return out
-
-
-def _all_to_all(out: torch.Tensor, inp: torch.Tensor, out_split, in_split, group, async_op: bool = False):
-    """all_to_all_single on raw bytes (gloo and NCCL move any dtype that way)."""
-    esz = inp.element_size()
-    return dist.all_to_all_single(
-        out.view(torch.uint8), inp.contiguous().view(torch.uint8),
-        [s * esz for s in out_split], [s * esz for s in in_split], group=group, async_op=async_op,
-    )
 
 
 def _load_resharded(opt: Optimizer, state_dict: dict, per_block_of: Callable[[str], int | None]) -> None:

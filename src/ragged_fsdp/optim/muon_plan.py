@@ -18,8 +18,8 @@ two parts:
   wave. Flops alone (the plan before waves) break ties by who holds most of the matrix,
   which piles owned matrices onto the rank that already holds the most.
 
-:func:`plan_summary` gives the per-rank estimate the optimizer reports in
-``last_step_stats``.
+:func:`plan_step` makes a step's whole plan (batches, waves, owners, splits, schedule); the
+optimizer caches it per layout and reports its per-rank estimates in ``last_step_stats``.
 """
 
 from __future__ import annotations
@@ -27,24 +27,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ._gather import GatherSet
+from ._gather import GatherSet, gather_set
 from ._layout import Layout
+from .muon_buffers import (BF16, BLEND_CHUNK, blend_chunk, ns_floor_bytes, ns_hold_bytes, ns_workspace_bytes,
+                           wave_rank_bytes)
 
 __all__ = ["Matrix", "Wave", "Batch", "newton_schulz_flops", "ns_workspace_bytes", "ns_hold_bytes", "ns_floor_bytes",
            "matrices_of", "make_waves", "assign_owners", "finish_wave", "schedule", "DEFAULT_NS_STEPS", "BLEND_CHUNK",
-           "blend_chunk", "auto_wave_bytes"]
+           "blend_chunk", "auto_wave_bytes", "cut_waves", "StepPlan", "plan_step", "per_rank"]
 
 DEFAULT_NS_STEPS = 5
-BF16 = 2
-# Elements of the Nesterov blend computed at once (its fp32 temporary: at most 16 KiB, at
-# most a quarter of the matrix's bf16 bytes), so the blend stays small beside a matrix's
-# Newton-Schulz workspace. Multiples of 64: of every SIMD width.
-BLEND_CHUNK = 4096
-
-
-def blend_chunk(rows: int, cols: int) -> int:
-    """Elements of a ``rows x cols`` matrix's Nesterov blend computed at once."""
-    return max(64, min(BLEND_CHUNK, rows * cols // 512 * 64))
 # A rank whose Newton-Schulz flops are within this fraction of the mean of the least-loaded
 # rank's may take a matrix; among those, the one holding the least memory does.
 FLOPS_SLACK = 0.05
@@ -55,13 +47,6 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = DEFAULT_NS_STEPS) -> 
     m, n = min(rows, cols), max(rows, cols)
     # X X^T: m*m*n MACs; A A: m^3; (.) X: m*m*n.
     return steps * 2 * (2 * m * m * n + m * m * m)
-
-
-def ns_workspace_bytes(rows: int, cols: int) -> int:
-    """Peak bytes Newton-Schulz allocates on a ``rows x cols`` matrix given as a bf16 buffer it
-    may overwrite: the next iterate (``rows*cols``) and the two ``m x m`` Gram products, bf16."""
-    m = min(rows, cols)
-    return BF16 * (rows * cols + 2 * m * m)
 
 
 @dataclass
@@ -85,23 +70,6 @@ class Matrix:
     def held(self, r: int) -> int:
         a, b = self.pieces[r]
         return b - a
-
-
-def ns_hold_bytes(rows: int, cols: int) -> int:
-    """Peak bytes of the optimizer's Newton-Schulz on a ``rows x cols`` bf16 input handed
-    over to it, the input included: the input (freed after the first iteration), the next
-    iterate and one ``m x m`` product (each Gram product is dropped once used). torch's loop
-    holds one ``m x m`` more: :func:`ns_floor_bytes`."""
-    m = min(rows, cols)
-    return BF16 * (2 * rows * cols + m * m)
-
-
-def ns_floor_bytes(rows: int, cols: int) -> int:
-    """One ``torch.optim.Muon`` Newton-Schulz on the matrix with its bf16 input: what an
-    implementation that orthogonalises whole matrices with torch's operations holds at least
-    (torchtitan's DistMuon's step transient on the docs' model). The bounded step keeps its
-    transient at or below this for the optimizer's largest matrix (:func:`schedule`)."""
-    return BF16 * rows * cols + ns_workspace_bytes(rows, cols)
 
 
 @dataclass
@@ -156,21 +124,29 @@ def auto_wave_bytes(matrices) -> int:
     return max((m.whole_bytes for m in matrices), default=1)
 
 
+def cut_waves(items: list, whole_bytes, wave_bytes: int | None) -> list[list]:
+    """Consecutive ``items``, at most ``wave_bytes`` of ``whole_bytes(item)`` per wave (one item
+    at least); ``None``: one wave. The optimizer cuts its matrices with it, and
+    ``ragged_fsdp.sim.muon_step`` its matrix shapes."""
+    if wave_bytes is None:
+        return [list(items)] if items else []
+    waves, cur, size = [], [], 0
+    for m in items:
+        b = whole_bytes(m)
+        if cur and size + b > wave_bytes:
+            waves.append(cur)
+            cur, size = [], 0
+        cur.append(m)
+        size += b
+    if cur:
+        waves.append(cur)
+    return waves
+
+
 def make_waves(matrices: list[Matrix], wave_bytes: int | None) -> list[Wave]:
     """Consecutive matrices, at most ``wave_bytes`` of whole bf16 matrices per wave (one
     matrix at least); ``None``: one wave."""
-    if wave_bytes is None:
-        return [Wave(list(matrices))] if matrices else []
-    waves, cur, size = [], [], 0
-    for m in matrices:
-        if cur and size + m.whole_bytes > wave_bytes:
-            waves.append(Wave(cur))
-            cur, size = [], 0
-        cur.append(m)
-        size += m.whole_bytes
-    if cur:
-        waves.append(Wave(cur))
-    return waves
+    return [Wave(w) for w in cut_waves(matrices, lambda m: m.whole_bytes, wave_bytes)]
 
 
 def _holders(m: Matrix) -> list[int]:
@@ -250,30 +226,6 @@ def finish_wave(wave: Wave, me: int, world: int, grouped: bool, elem_bytes: int 
     return sent, (world - 1) * local_total * elem_bytes
 
 
-def _wave_rank_bytes(wave: Wave, world: int) -> tuple[list[int], list[int], list[int], list[int]]:
-    """Per rank: bytes it sends (its pieces of others' matrices, later their results), bytes
-    it receives as owner, the bytes it holds while orthogonalising (the largest of its
-    matrices' Newton-Schulz hold and their assembly: the whole bf16 matrix and one blend
-    chunk), and its largest blend temporary while it fills its send buffer."""
-    send, recv, ns, blend = [0] * world, [0] * world, [0] * world, [0] * world
-    owned = [0] * world
-    for m in wave.matrices:
-        o = m.owner
-        owned[o] += 1
-        for r in range(world):
-            n = m.held(r)
-            if n and r != o:
-                send[r] += BF16 * n
-                recv[o] += BF16 * n
-                blend[r] = max(blend[r], 4 * min(n, blend_chunk(m.rows, m.cols)))
-        asm = BF16 * m.rows * m.cols + 4 * min(m.held(o), blend_chunk(m.rows, m.cols))
-        ns[o] = max(ns[o], ns_hold_bytes(m.rows, m.cols), asm)
-    # an owner of one matrix of the wave lets the received pieces go once they are assembled;
-    # with several it keeps them (the results go back in their slots)
-    hold = [ns[r] + (recv[r] if owned[r] > 1 else 0) for r in range(world)]
-    return send, recv, hold, blend
-
-
 def schedule(batch: Batch, budget: int) -> None:
     """Decide, the same on every rank, which transfers overlap Newton-Schulz so that no rank's
     live bytes during the step exceed ``budget`` where that can be kept: wave ``k + 1``'s
@@ -284,7 +236,7 @@ def schedule(batch: Batch, budget: int) -> None:
     waves, world = batch.waves, batch.world
     if batch.group is None:
         return
-    per = [_wave_rank_bytes(w, world) for w in waves]
+    per = [wave_rank_bytes(w, world) for w in waves]
 
     def fits(k: int, nxt: bool, prev: bool) -> bool:
         send, recv, hold, _ = per[k]
@@ -315,3 +267,63 @@ def schedule(batch: Batch, budget: int) -> None:
             if fits(k, nxt, prev) or not (nxt or prev):
                 w.overlap_next, w.overlap_prev = nxt, prev
                 break
+
+
+@dataclass
+class StepPlan:
+    batches: list  # per param group: its Batches
+    loads: dict  # id(group) -> per-rank Newton-Schulz flops
+    peaks: dict  # id(group) -> per-rank estimated bytes during the step
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    allgather_bytes_sent: int = 0
+    waves: int = 0
+
+
+def plan_step(work, state_bytes, wave_bytes, agree) -> StepPlan:
+    """The plan of one step over ``work`` (``(gi, group, items)`` per Muon param group, items
+    ``(i, param, layout)``): each param group's matrices batched by process group, cut into
+    waves of ``wave_bytes`` (``"auto"``: :func:`auto_wave_bytes`), owners assigned, splits
+    filled, overlaps scheduled. ``state_bytes(param)``: bytes per element the parameter holds
+    through the step; ``agree(process_group)`` is called once per batch before its waves are
+    used (every rank must cut the same waves: they run collectives per wave)."""
+    all_batches = []
+    for gi, group, items in work:
+        by_group: dict = {}
+        for slot, (i, p, lay) in enumerate(items):
+            gs = gather_set(lay)
+            b = by_group.get(id(gs.group))
+            if b is None:
+                b = by_group[id(gs.group)] = Batch(gs.group, gs.me, gs.world)
+            b.matrices.extend(matrices_of(slot, lay, gs, group["ns_steps"], state_bytes(p)))
+        all_batches.append(list(by_group.values()))
+    flat = [b for bs in all_batches for b in bs]
+    cap = wave_bytes
+    if cap == "auto":
+        cap = auto_wave_bytes([m for b in flat for m in b.matrices])
+    for b in flat:
+        b.waves = make_waves(b.matrices, cap)
+        if b.group is not None:
+            agree(b.group)
+    owners = assign_owners(flat)
+    plan = StepPlan(all_batches, owners["flops"], owners["peak"])
+    for b in flat:
+        for wave in b.waves:
+            sent, ag = finish_wave(wave, b.rank, b.world, b.group is not None)
+            plan.bytes_sent += sent
+            plan.bytes_recv += sent
+            plan.allgather_bytes_sent += ag
+            plan.waves += 1
+    if wave_bytes is not None:
+        # the bounded step stays within one torch Newton-Schulz on the largest matrix
+        budget = max((ns_floor_bytes(m.rows, m.cols) for b in flat for m in b.matrices), default=0)
+        for b in flat:
+            schedule(b, budget)
+    return plan
+
+
+def per_rank(loads: dict):
+    """Per-rank values of the widest process group (what a report shows)."""
+    if not loads:
+        return []
+    return list(max(loads.values(), key=len))

@@ -18,6 +18,10 @@ temporaries; this module models the step itself, per rank, for the two ways
   Time: wave ``k + 1`` travels while wave ``k`` is orthogonalised: per wave
   ``max(compute, comm)``, plus two all-to-all latencies per wave.
 
+The buffers and when each goes are the optimizer's own record
+(:mod:`ragged_fsdp.optim.muon_buffers`), and the waves are cut by its own rule
+(:func:`ragged_fsdp.optim.muon_plan.cut_waves`).
+
 Owners balance flops, so compute is ``flops / W / rate`` in both. The all-to-all moves
 ``(W - 1) / W`` of each rank's pieces out and the results back. The transient of the
 largest matrix is what the bounded step cannot go below: an owner needs the whole matrix.
@@ -31,13 +35,12 @@ import argparse
 import math
 from dataclasses import asdict, dataclass
 
-from ragged_fsdp.optim.muon_plan import newton_schulz_flops, ns_workspace_bytes
+from ragged_fsdp.optim.muon_buffers import BF16, in_flight_bytes, ns_floor_bytes, ns_workspace_bytes, one_wave_bytes
+from ragged_fsdp.optim.muon_plan import cut_waves, newton_schulz_flops
 
 from .comm import alltoall_time
 
 __all__ = ["MuonStep", "muon_step", "matrices_of_arch", "main"]
-
-BF16 = 2
 
 
 @dataclass
@@ -66,20 +69,6 @@ def matrices_of_arch(arch) -> list[tuple[int, int]]:
     return out
 
 
-def _waves(matrices, wave_bytes):
-    if wave_bytes is None:
-        return [list(matrices)]
-    waves, cur, size = [], [], 0
-    for r, c in matrices:
-        b = BF16 * r * c
-        if cur and size + b > wave_bytes:
-            waves.append(cur)
-            cur, size = [], 0
-        cur.append((r, c))
-        size += b
-    return waves + ([cur] if cur else [])
-
-
 def muon_step(matrices: list[tuple[int, int]], world: int, profile, wave_bytes: int | None,
               whole: bool = False) -> MuonStep:
     """Per-rank transient bytes and seconds of one Muon step over ``matrices`` on ``world``
@@ -89,16 +78,16 @@ def muon_step(matrices: list[tuple[int, int]], world: int, profile, wave_bytes: 
     elems = sum(r * c for r, c in matrices)
     largest = max(((r, c) for r, c in matrices), key=lambda s: s[0] * s[1], default=(0, 0))
     ws_max = max((ns_workspace_bytes(r, c) for r, c in matrices), default=0)
-    waves = _waves(matrices, wave_bytes)
+    waves = cut_waves(matrices, lambda s: BF16 * s[0] * s[1], wave_bytes)
     if wave_bytes is None:
         local = BF16 * elems / world
-        transient = (2 if whole else 4) * local + ws_max
+        transient = one_wave_bytes(local, moves=not whole) + ws_max
         compute = sum(newton_schulz_flops(r, c) for r, c in matrices) / world / rate
         comm = 0.0 if whole else 2 * alltoall_time(profile, local, world)
         return MuonStep("one wave", world, 1, transient, compute, comm, compute + comm)
     big = BF16 * largest[0] * largest[1]
-    in_flight = 0.0 if whole else 2 * max(wave_bytes, big) / world
-    transient = max(BF16 * r * c + ns_workspace_bytes(r, c) for r, c in matrices) + in_flight if matrices else 0.0
+    in_flight = 0.0 if whole else in_flight_bytes(max(wave_bytes, big), world)
+    transient = max(ns_floor_bytes(r, c) for r, c in matrices) + in_flight if matrices else 0.0
     compute = comm = step = 0.0
     for wave in waves:
         c_k = sum(newton_schulz_flops(r, c) for r, c in wave) / world / rate

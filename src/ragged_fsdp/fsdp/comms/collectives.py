@@ -26,7 +26,7 @@ from ragged_fsdp.dbuffer import DBuffer
 from ..torch_private import preserve_version_counter, set_version_counter
 
 from .custom import adopt_memory, checked_alloc, checked_work
-from .device import AllWork, Device, Pending
+from ...device import AllWork, Device, Pending
 from .landing import land
 
 __all__ = ["Comm", "all_gather", "reduce_scatter", "all_reduce", "backend_of"]

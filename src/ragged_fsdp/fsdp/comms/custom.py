@@ -32,6 +32,16 @@ class CommHooks:
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     hook_stream: Any = None  # the stream the hook runs on (CUDA, FSDP only)
 
+    # the setters of FSDPModule (fsdp/compat/torch_module.py) change the record through these
+    def set_all_gather(self, comm) -> None:
+        self.all_gather = comm
+
+    def set_reduce_scatter(self, comm) -> None:
+        self.reduce_scatter = comm
+
+    def set_all_reduce_hook(self, hook, stream) -> None:
+        self.all_reduce_hook, self.hook_stream = hook, stream
+
     def allocate_grad(self) -> Callable[[int, torch.dtype, torch.device], torch.Tensor] | None:
         rs = self.reduce_scatter
         if rs is None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ragged_fsdp.comm import all_gather_single
 
 from .collectives import Comm
-from .device import Device, Pending
+from ...device import Device, Pending
 from .landing import land
 
 __all__ = ["ordered_reduce"]

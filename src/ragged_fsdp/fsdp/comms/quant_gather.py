@@ -20,7 +20,7 @@ from ragged_fsdp.quant import BlockFP8, ScaleLayout, dequantize_pieces, quantize
 
 from ..torch_private import preserve_version_counter, set_version_counter
 from .collectives import Comm
-from .device import AllWork, Device, Pending
+from ...device import AllWork, Device, Pending
 
 __all__ = ["QuantState", "fp8_granularity", "attach_quant", "quant_all_gather"]
 

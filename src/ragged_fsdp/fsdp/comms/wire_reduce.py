@@ -26,7 +26,7 @@ from ragged_fsdp.quant.wire_residual import Residual
 
 from .collectives import Comm
 from .landing import land
-from .device import AllWork, Device, Pending
+from ...device import AllWork, Device, Pending
 
 __all__ = ["WireState", "wire_reduce_scatter", "check_wire_reduce_dtype"]
 

@@ -47,13 +47,10 @@ from __future__ import annotations
 
 import inspect
 
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
+
 from ..comms.custom import HOOK_LANE
 from .extension import check_comm, check_event, check_hook, check_stream
-
-try:  # torch >= 2.6 exports it here; the private path is the fallback
-    from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
-except ImportError:  # pragma: no cover - older torch
-    from torch.distributed._composable.fsdp import FSDPModule as _TorchFSDPModule
 
 __all__ = ["TorchFSDPBase", "refuse_unknown_torch_methods", "TORCH_FSDP_MODULE"]
 
@@ -127,7 +124,7 @@ class TorchFSDPBase(_TorchFSDPModule):
                     "set_custom_all_gather: this module's group gathers fp8 codes and scales "
                     "(fully_shard(all_gather_quant=...)), two collectives per buffer that a custom "
                     "all-gather cannot replace; drop all_gather_quant or the custom comm")
-            g.hooks.all_gather = comm
+            g.hooks.set_all_gather(comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """Use ``comm`` (a ``torch.distributed.fsdp`` ``ReduceScatter``: ``allocate`` and
@@ -145,7 +142,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         called when the shard dim has one rank."""
         check_comm("set_custom_reduce_scatter", comm, "ReduceScatter")
         for g in self._hook_groups():
-            g.hooks.reduce_scatter = comm
+            g.hooks.set_reduce_scatter(comm)
 
     def set_all_reduce_hook(self, hook, *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each of this module's reduced gradients (not
@@ -171,8 +168,7 @@ class TorchFSDPBase(_TorchFSDPModule):
         for g in groups:
             check_stream(stream, any(u.dp.replicate is not None for u in g.units))
         for g in groups:
-            g.hooks.all_reduce_hook = hook
-            g.hooks.hook_stream = stream
+            g.hooks.set_all_reduce_hook(hook, stream)
             g.dev.use_stream(HOOK_LANE, stream)
 
     def set_post_optim_event(self, event) -> None:

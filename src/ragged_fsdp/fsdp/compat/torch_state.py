@@ -23,16 +23,13 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch.nn as nn
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 
 from ragged_fsdp.placement.ops import VIEWED_SHARDED_ATTR
 
-try:
-    from torch.distributed._composable.contract import STATE_KEY as _STATE_KEY
-    from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from ..torch_private import STATE_KEY as _STATE_KEY
 
-    _TORCH_FUNC = getattr(_torch_fully_shard, "__wrapped__", None)
-except ImportError:  # pragma: no cover - a torch without the composable contract
-    _STATE_KEY, _TORCH_FUNC = None, None
+_TORCH_FUNC = getattr(_torch_fully_shard, "__wrapped__", None)
 
 __all__ = ["TorchStateView", "register_torch_state", "refuse_lost_weight_grads"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -10,21 +11,39 @@ import torch.nn as nn
 from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
 from ragged_fsdp.placement import RaggedShard
-from ragged_fsdp.quant.bnb4 import is_params4bit
 from ragged_fsdp.quant.mxfp8 import MXFP8
 
 from ..comms.collectives import Comm
 from ..comms.mx_gather import attach_mx
 from ..comms.quant_gather import attach_quant, fp8_granularity
 from ..comms.custom import CommHooks
-from ..compat.subclass_gather import adopt_foreign, check_extension, extension_granularity, is_extension
+from ...quant.foreign import check_extension, extension_granularity, is_extension
 from .consistency import check_same_layout
 from .mesh_info import DPMesh, ParamPlacement
 from .sharded_param import make_sharded_param
 from .subclass_unit import build_subclass_unit
 from .unit import Building, ParamInfo, Unit
 
-__all__ = ["build_units"]
+__all__ = ["build_units", "Gather"]
+
+
+class Gather(Enum):
+    """How a unit's parameters are gathered: the kind slot of a unit's key."""
+
+    PLAIN = "plain"  # the DBuffer's own all-gather in the compute dtype
+    QUANT = "quant"  # fully_shard(all_gather_quant=...): codes and scales
+    SUBCLASS = "subclass"  # a tensor subclass's own fsdp_pre/post_all_gather (.subclass_unit)
+
+    @classmethod
+    def of(cls, value) -> "Gather":
+        """A kind, from itself or the old spelling (False, True, "subclass")."""
+        if isinstance(value, cls):
+            return value
+        if value == "subclass":
+            return cls.SUBCLASS
+        if isinstance(value, bool):
+            return cls.QUANT if value else cls.PLAIN
+        raise ValueError(f"fully_shard: unknown gather kind {value!r}")
 
 
 def _embedding_only(owners) -> bool:
@@ -36,26 +55,26 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
                 post_forward_comm: Comm | None) -> list[Unit]:
     """The units of ``group`` holding ``params``; their sharded parameters are registered on
     the modules."""
-    # One unit per (mesh, dtype, trainable, fp8-gathered, embedding) kind. Embedding
+    # One unit per (mesh, dtype, trainable, gather kind, embedding) kind. Embedding
     # weights get their own: their gradients arrive at the very end of backward (the
     # others' near the start), and their backward needs only the indices, so that buffer
     # is neither kept unsharded nor re-gathered for backward (see backward.py).
     # (A shard_placement_fn may give some parameters another data-parallel mesh, e.g.
     # experts over the dp ranks of their EP group: those get their own units.)
     # Tensor subclasses with their own all-gather (FSDP2's protocol) are a kind of their own,
-    # gathered by .subclass_unit: fp8 is then "subclass", a third value of that slot.
-    kinds: dict[tuple[int, torch.dtype, bool, bool | str, bool], list[int]] = {}
+    # gathered by .subclass_unit (Gather.SUBCLASS).
+    kinds: dict[tuple[int, torch.dtype, bool, Gather, bool], list[int]] = {}
     quant = group.all_gather_quant
     dp_index = {id(d): k for k, d in enumerate(group.dps)}
     for i, (name, p, owners) in enumerate(params):
-        if is_params4bit(placed[i].data):  # bitsandbytes' 4-bit weight: sharded as a BnB4Weight
-            placed[i].data = adopt_foreign(placed[i].data)
-        if is_extension(name, placed[i].data):
+        if is_extension(name, placed[i].data):  # foreign quantised weights were adopted when placed
             check_extension(name, p, placed[i])
-            fp8 = "subclass"
+            gather = Gather.SUBCLASS
+        elif quant is not None and quant.applies(name, placed[i].data):  # quantised gathers: own buffer
+            gather = Gather.QUANT
         else:
-            fp8 = quant is not None and quant.applies(name, placed[i].data)  # fp8-gathered tensors: own buffer
-        key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, fp8, _embedding_only(owners))
+            gather = Gather.PLAIN
+        key = (dp_index[id(placed[i].dp)], p.dtype, p.requires_grad, gather, _embedding_only(owners))
         kinds.setdefault(key, []).append(i)
     units: list[Unit] = []
     layouts: list = [None] * len(kinds)
@@ -63,9 +82,9 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         mine = [(j, key, idx) for j, (key, idx) in enumerate(kinds.items()) if key[0] == k]
         error = None
         try:
-            for j, (_, dtype, _, fp8, _), idx in mine:
+            for j, (_, dtype, _, gather, _), idx in mine:
                 layouts[j] = _plan(group, params, placed, idx, dtype, granularity_fn, dp.shard.world_size,
-                                  dp.shard.rank, fp8)
+                                  dp.shard.rank, gather)
         except (ValueError, NotImplementedError, TypeError) as e:
             error = e
         # Every rank must have planned the same layout, or the all-gathers silently mix
@@ -73,15 +92,15 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
                           [params[idx[0]][1].dtype for _, _, idx in mine], error, group.describe(),
                           settings={"gradient_reduce": group.gradient_reduce})
-    for layout, ((dpk, dtype, _, fp8, embedding), idx) in zip(layouts, kinds.items()):
-        if fp8 == "subclass":
+    for layout, ((dpk, dtype, _, gather, embedding), idx) in zip(layouts, kinds.items()):
+        if gather is Gather.SUBCLASS:
             units.append(build_subclass_unit(
                 group, len(units), group.dps[dpk], layout,
                 [(*params[i], placed[i]) for i in idx], group.mp_policy, post_forward_comm))
             continue
         compute, reduce_ = _mp_dtypes(group, dtype)
         buf = DBuffer(layout, device=group.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
-        if fp8:
+        if gather is Gather.QUANT:
             (attach_mx if isinstance(quant, MXFP8) else attach_quant)(buf, quant)
         index, infos = len(units), []
         for j, i in enumerate(idx):
@@ -101,10 +120,11 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
     return units
 
 
-def _plan(group: Building, params, placed, idx, dtype, granularity_fn, W, rank, fp8=False):
+def _plan(group: Building, params, placed, idx, dtype, granularity_fn, W, rank, fp8=Gather.PLAIN):
     """Plan one buffer over ``W`` ranks. The shapes packed are the tensors the data-
     parallel split applies to (TP/EP-local for DTensor parameters); ``granularity_fn``
     is asked about the parameter and applies to that local tensor."""
+    gather = Gather.of(fp8)  # "fp8": the old name of the kind, and its False/True/"subclass" spelling
     tensors, keys = [], set()
     for j, i in enumerate(idx):
         name, p, _ = params[i]
@@ -116,9 +136,9 @@ def _plan(group: Building, params, placed, idx, dtype, granularity_fn, W, rank, 
                 spec = parse_granularity(raw)
             except ValueError as e:
                 raise ValueError(f"fully_shard: granularity_fn returned {raw!r} for {name!r}: {e}") from e
-        if fp8 == "subclass":
+        if gather is Gather.SUBCLASS:
             spec = extension_granularity(name, placed[i].data, spec)
-        elif fp8:
+        elif gather is Gather.QUANT:
             spec = fp8_granularity(group.all_gather_quant, name, shape, spec)
         key = name if name not in keys else f"{name}#{j}"  # list groups may repeat names
         keys.add(key)

@@ -85,6 +85,11 @@ class Step:
     done: int = 0
     broken: str | None = None
 
+    def break_(self, why: str) -> None:
+        """Mark the step as one that can no longer land (the first reason is kept)."""
+        if self.broken is None:
+            self.broken = why
+
 
 def refuse(what: str, group: str, fix: str) -> ValueError:
     return ValueError(f"ragged_fsdp.global_order: {what} ({group}) would make the gradient sum depend on the "

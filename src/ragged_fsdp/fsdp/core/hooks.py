@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..torch_private import tree_flatten, tree_unflatten
 
 __all__ = ["PostBackward", "grad_tensors", "attach_post_backward", "eager"]
 

@@ -25,6 +25,9 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_ragged_fsdp_state"
+# Both keyed by id (a weakref on a parameter makes swap_tensors, which re-points it after .to(),
+# refuse it) and pruned by a weakref callback when what the entry names is gone, so an id
+# that Python reuses for a new object never finds a stale entry and neither map grows.
 _managed_params: dict[int, weakref.ref] = {}  # id -> original parameters a group took
 _group_sharded: dict[int, weakref.ref] = {}  # id of a sharded parameter -> the group that made it
 
@@ -38,23 +41,44 @@ def set_state(module: nn.Module, state) -> None:
     module.__dict__[_STATE_ATTR] = state
 
 
+def _pruned(registry: dict, key: int):
+    def forget(ref, registry=registry, key=key):
+        if registry.get(key) is ref:
+            del registry[key]
+    return forget
+
+
 def mark_managed(param: nn.Parameter) -> None:
     """Remember that a group took ``param`` (to catch a tied parameter split across groups)."""
-    _managed_params[id(param)] = weakref.ref(param)
+    _managed_params[id(param)] = weakref.ref(param, _pruned(_managed_params, id(param)))
 
 
 def mark_sharded(group: UnitGroup) -> None:
-    """Remember the sharded parameters ``group`` made. Keyed by id with a weak reference to
-    the group, not to the parameter: a weakref on a parameter makes ``swap_tensors`` (which
-    re-points it after ``.to()``) refuse it."""
-    for info in group.infos:
-        _group_sharded[id(info.sharded)] = weakref.ref(group)
+    """Remember the sharded parameters ``group`` made (weakly: the entries go with the group)."""
+    keys = [id(info.sharded) for info in group.infos]
+
+    def forget(ref, keys=keys):
+        for k in keys:
+            if _group_sharded.get(k) is ref:
+                del _group_sharded[k]
+
+    ref = weakref.ref(group, forget)
+    for k in keys:
+        _group_sharded[k] = ref
+
+
+def group_of(p):
+    """The live group that made sharded parameter ``p``, or None (the one map from a sharded
+    parameter to its group: the offload policy is found through it too)."""
+    ref = _group_sharded.get(id(p))
+    group = ref() if ref is not None else None
+    if group is None or not any(info.sharded is p for info in group.infos):
+        return None
+    return group
 
 
 def _made_by_a_group(p) -> bool:
-    ref = _group_sharded.get(id(p))
-    group = ref() if ref is not None else None
-    return group is not None and any(info.sharded is p for info in group.infos)
+    return group_of(p) is not None
 
 
 def _already_sharded(fqn: str, root: nn.Module, p) -> ValueError:

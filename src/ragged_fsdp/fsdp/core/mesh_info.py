@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from ...quant.foreign import adopt_foreign
 from ..comms.collectives import Comm
+from ..torch_private import DTensorSpec
 
 __all__ = [
     "CallMesh", "DPMesh", "ParamPlacement", "resolve_mesh", "mesh_device", "place_param", "shard_placement_mesh",
@@ -190,7 +191,9 @@ def is_default_mesh(info, default: DPMesh) -> bool:
 
 @dataclass
 class ParamPlacement:
-    data: torch.Tensor  # what the planner packs: the parameter, or its TP/EP-local tensor
+    # what the planner packs: the parameter, or its TP/EP-local tensor; a foreign quantised
+    # weight already adopted (ragged_fsdp.quant.foreign's table)
+    data: torch.Tensor
     dp: DPMesh
     mesh: DeviceMesh  # the sharded DTensor's mesh
     placements: tuple  # its placements, None where the RaggedShard goes
@@ -268,13 +271,13 @@ def place_param(fqn: str, p: nn.Parameter, dp: DPMesh) -> ParamPlacement:
         _check_dtensor_placements(fqn, p)
         placements = tuple(None if i == dp.shard_index else q for i, q in enumerate(p.placements))
         dp_dims = tuple(i for i in (dp.shard_index, dp.replicate_index) if i is not None)
-        return ParamPlacement(p._local_tensor, dp, dp.spmd_mesh, placements, p._spec, dp_dims)
+        return ParamPlacement(adopt_foreign(p._local_tensor), dp, dp.spmd_mesh, placements, p._spec, dp_dims)
     if isinstance(p, DTensor):
         _check_dtensor_placements(fqn, p)
         mesh = _concatenate(dp.mesh, p.device_mesh, fqn, p)
         placements = dp.dp_placements() + tuple(p.placements)
-        return ParamPlacement(p._local_tensor, dp, mesh, placements, p._spec)
-    return ParamPlacement(p, dp, dp.mesh, dp.dp_placements(), None)
+        return ParamPlacement(adopt_foreign(p._local_tensor), dp, mesh, placements, p._spec)
+    return ParamPlacement(adopt_foreign(p), dp, dp.mesh, dp.dp_placements(), None)
 
 
 # -- what every rank must agree on (checked by consistency.check_same_answers) -------------

@@ -40,7 +40,7 @@ from torch.autograd.profiler import record_function
 
 from ragged_fsdp.dbuffer import DBuffer
 
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
 from ..comms.wire_reduce import check_wire_reduce_dtype
 from ..comms.custom import CommHooks
 from .backward import BackwardNeeds

@@ -44,7 +44,7 @@ from ragged_fsdp.quant.grad_wire import GradientReduce, wire_bytes
 
 from .. import tracing as trace
 from ..comms.collectives import all_reduce, reduce_scatter
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
 from ..comms.landing import land
 from ..comms.ordered_reduce import ordered_reduce
 from ..comms.wire_reduce import wire_reduce_scatter
@@ -237,8 +237,8 @@ class Reductions:
         self.hook_failures = []
         if self.reduced:
             names = sorted({self.folds[k].name for k in self.reduced if k in self.folds} or {"?"})
-            self.step.broken = (f"micro-step {self.step.done} raised in its backward after {', '.join(names[:4])}"
-                                f"{' ...' if len(names) > 4 else ''} had folded its gradients")
+            self.step.break_(f"micro-step {self.step.done} raised in its backward after {', '.join(names[:4])}"
+                             f"{' ...' if len(names) > 4 else ''} had folded its gradients")
             self.folds = {}
         self.reduced = set()
         self.staged = {}  # the units drop their staged residuals (Unit.drop_grads)

@@ -24,10 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_map
 
-from ..torch_private import in_backward
+from ..torch_private import in_backward, queue_callback, tree_map
 from .common import TrainingState
 from .hooks import eager as _eager
 from .hooks import grad_tensors
@@ -317,7 +315,7 @@ class FSDPState:
             return
         ctx.callback_queued = True
         root = ctx.all_states[0] if ctx.all_states else self
-        Variable._execution_engine.queue_callback(root._final_callback)
+        queue_callback(root._final_callback)
 
     def _final_callback(self) -> None:
         ctx = self.ctx

@@ -122,8 +122,8 @@ def _before_optimizer_step(opt: torch.optim.Optimizer) -> None:
         if what is None or not _holds(opt, state):
             continue
         red = state.ctx.reductions
-        if red.step.broken is None and (red.step.done or red.folds):
-            red.step.broken = f"{type(opt).__name__}.step() ran after {red.step.done} micro-steps"
+        if red.step.done or red.folds:
+            red.step.break_(f"{type(opt).__name__}.step() ran after {red.step.done} micro-steps")
         raise StepBoundaryError(f"ragged_fsdp: {type(opt).__name__}.step() in the middle of a step: {what}; the "
                                 f"optimizer did not step. {_FIX}")
 

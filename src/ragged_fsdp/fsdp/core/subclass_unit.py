@@ -2,7 +2,7 @@
 protocol: ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``, torch 2.13 signatures).
 
 A unit kind of the engine. Such a parameter is sharded by whole rows in units the subclass
-asks for (``compat/subclass_gather.py`` reads the protocol), so each rank's piece,
+asks for (``ragged_fsdp.quant.foreign`` reads the protocol), so each rank's piece,
 ``torch.split`` of the subclass along dim 0, is a subclass value of its own: the planner's
 RaggedShard units never cut a quantisation block, and nothing is re-quantised.
 
@@ -29,11 +29,12 @@ sharded parameter's ``.grad`` is a plain RaggedShard DTensor of its rows (the op
 updates the subclass piece through the subclass's own ops). Such units are never reduced
 early (their unsharded data is not one flat buffer that the early-reduction watch can see).
 
-bitsandbytes' ``Params4bit`` (Hugging Face 4-bit models) is adopted on the way in as a
-:class:`~ragged_fsdp.quant.bnb4.BnB4Weight` (its codes with their absmax, in whole
-quantisation blocks; gathered back into a ``Params4bit``), wired into its ``Linear4bit`` by
-``bnb4_owner.py``. torchao's own ``NF4Tensor`` is adopted on the way in (``NF4Weight.from_torchao``: the same
-codes, scalers and factors, and the same dequantisation): its ops split only into equal pieces
+Foreign quantised weights are adopted when they are placed, through the one adapter table
+(``ragged_fsdp.quant.foreign.ADAPTERS``): bitsandbytes' ``Params4bit`` (Hugging Face 4-bit
+models) as a :class:`~ragged_fsdp.quant.bnb4.BnB4Weight` (its codes with their absmax, in whole
+quantisation blocks; gathered back into a ``Params4bit``), wired into its ``Linear4bit`` by the
+adapter's attach (``quant/bnb4_owner.py``); torchao's own ``NF4Tensor`` as an ``NF4Weight`` (the
+same codes, scalers and factors, and the same dequantisation): its ops split only into equal pieces
 and its one-argument ``fsdp_pre_all_gather`` rebuilds the shape as local rows x world size,
 neither of which fits pieces of different sizes. ``load_state_dict(assign=True)`` of a subclass
 parameter copies the assigned value into the rank's piece (a hook on the owner module) and
@@ -50,14 +51,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ragged_fsdp.comm import all_gather_single
-from ragged_fsdp.dbuffer import DBuffer
+from ragged_fsdp.dbuffer import GradientHalf
 from ragged_fsdp.placement import RaggedShard
-from ragged_fsdp.quant.bnb4 import BnB4Weight
 
 from .. import tracing as trace
-from ..comms.device import AllWork, Device, Pending
-from ..compat.bnb4_owner import attach_bnb4
-from ..compat.subclass_gather import adopt_foreign, call_pre_all_gather, rows_of
+from ...device import AllWork, Device, Pending
+from ...quant.foreign import adopt_foreign, attach_foreign, call_pre_all_gather, rows_of
 from .sharded_param import make_sharded_param
 from .unit import Building, ParamInfo, Unit
 
@@ -85,7 +84,7 @@ def build_subclass_unit(group: Building, index, dp, layout, items, mp_policy, po
     rank = dp.shard.rank
     for j, (name, p, owners, pl) in enumerate(items):
         s = layout.slots[j]
-        data = adopt_foreign(pl.data.detach())
+        data = pl.data.detach()  # a foreign weight was adopted when it was placed
         cols = math.prod(s.shape[1:])
         a, b = s.placement.element_range(s.shape, rank)
         if a % cols or b % cols:
@@ -94,8 +93,7 @@ def build_subclass_unit(group: Building, index, dp, layout, items, mp_policy, po
         piece = rows_of(name, data, r0, r1)
         sharded = make_sharded_param(piece, pl.mesh, pl.with_ragged(RaggedShard.of(s.placement)),
                                      tuple(p.shape), p.requires_grad)
-        if isinstance(piece, BnB4Weight):
-            attach_bnb4(sharded, piece, s, owners, pl.mesh, dp.shard.world_size)
+        attach_foreign(sharded, piece, s, owners, pl.mesh, dp.shard.world_size)
         info = ParamInfo(name, index, j, owners, sharded)
         info.register(sharded)
         infos.append(info)  # the unit's own list: it holds every info before any is read
@@ -137,7 +135,7 @@ def _reclaim_assigned(unit: "SubclassUnit", j: int, module: nn.Module, incompati
         mod._parameters[name] = info.sharded
 
 
-class SubclassStore:
+class SubclassStore(GradientHalf):
     """What the group reads from a unit's ``buf`` when the unit holds subclass parameters:
     the layout (which rows are whose), no flat parameter storage of its own (the pieces keep
     theirs), and a DBuffer's gradient half: a plain unsharded gradient buffer in the reduce
@@ -161,17 +159,6 @@ class SubclassStore:
         self._grad_views: list[torch.Tensor] = []
         self._grad_versions: list[int] = []
         self.pieces: list[torch.Tensor] = []  # the unit's subclass piece per slot (its ``locals``)
-
-    slots = DBuffer.slots
-    world_size = DBuffer.world_size
-    rank = DBuffer.rank
-    segment = DBuffer.segment
-    local_view = DBuffer.local_view
-    alloc_grad = DBuffer.alloc_grad
-    grad_view = DBuffer.grad_view
-    grad_touched = DBuffer.grad_touched
-    take_grad = DBuffer.take_grad
-    new_sharded_grad = DBuffer.new_sharded_grad
 
     @property
     def unsharded_allocated(self) -> bool:

@@ -39,7 +39,7 @@ from ragged_fsdp.dbuffer import DBuffer
 
 from .. import tracing as trace
 from ..comms.collectives import Comm, all_gather
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
 from ..comms.mx_gather import MXState, mx_all_gather, mx_wire_bytes
 from ..comms.quant_gather import quant_all_gather
 from ..comms.wire_reduce import WireState

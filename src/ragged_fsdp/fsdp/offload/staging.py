@@ -1,5 +1,5 @@
 """The engine side of ``fully_shard(offload_policy=...)``: host buffers per DBuffer and the
-copies between them and the device, all through the device seam (:mod:`..comms.device`).
+copies between them and the device, all through the device seam (:mod:`ragged_fsdp.device`).
 A unit is handed its :class:`UnitOffload` (``Unit.attach_offload``) and calls it; ``core/``
 does not import this layer.
 
@@ -31,7 +31,8 @@ from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.quant.mxfp8 import MXFP8
 
 from .. import tracing as trace
-from ..comms.device import Device, Pending
+from ...device import Device, Pending
+from ..core.init import group_of
 from ..core.param_group import ParamGroup
 from ..core.sharded_param import repoint
 from ..core.unit import Unit
@@ -39,20 +40,14 @@ from .policy import OffloadPolicy
 
 __all__ = ["UnitOffload", "attach", "policy_of", "host_empty"]
 
-# id(sharded param) -> (weakref to its group, policy). Keyed by id, not by a weakref to the
-# parameter: a weakref on a parameter makes swap_tensors (model.to()) refuse it.
-_policies: dict[int, tuple[weakref.ref, OffloadPolicy]] = {}
+# group -> its offload policy; a parameter's group is found by core's one map (group_of)
+_policies: "weakref.WeakKeyDictionary[object, OffloadPolicy]" = weakref.WeakKeyDictionary()
 
 
 def policy_of(param) -> OffloadPolicy | None:
     """The offload policy of the group that made sharded parameter ``param``, or None."""
-    entry = _policies.get(id(param))
-    if entry is None:
-        return None
-    group = entry[0]()
-    if group is None or not any(info.sharded is param for info in group.infos):
-        return None
-    return entry[1]
+    group = group_of(param)
+    return None if group is None else _policies.get(group)
 
 
 def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -121,6 +116,4 @@ def attach(group: ParamGroup, policy: OffloadPolicy) -> None:
         u.attach_offload(UnitOffload(policy, group.dev))
         if policy.params:
             u.offload.params_to_host(u)
-    ref = weakref.ref(group)
-    for info in group.infos:
-        _policies[id(info.sharded)] = (ref, policy)
+    _policies[group] = policy
