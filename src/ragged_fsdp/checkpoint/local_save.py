@@ -57,6 +57,7 @@ import io
 import os
 import re
 import uuid
+import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,8 +67,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ragged_fsdp.agreement import agree, agree_flags, first_line
 from ragged_fsdp.placement import RaggedDTensor
 
+from . import lock
 from ._tree import flatten
 from .integrity import CheckpointCorruptError, check_crc32, crc32
 from .local_layout import RunLayout, encode_runs
@@ -103,42 +106,24 @@ def _names(r: int, w: int) -> tuple[str, str]:
 
 
 # -- agreement --------------------------------------------------------------------------------
-def _device() -> torch.device:
-    backend = str(dist.get_backend())
-    if "nccl" in backend and "gloo" not in backend:  # NCCL reduces device tensors only
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def _max_reduce(values: list[int]) -> list[int]:
-    t = torch.tensor(values, dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [int(x) for x in t.tolist()]
-
-
 def _agree(err: BaseException | None, what: str, values: list[int] = ()) -> list[int]:
-    """One MAX all-reduce of ``[failed] + values``. If any rank failed, every rank raises:
-    its own error, or the lowest failing rank's message (one broadcast, only then). Raising
-    alone would leave the other ranks waiting at their next collective."""
+    """One MAX all-reduce of ``[failed] + values`` (``agreement.agree_flags``). If any rank
+    failed, every rank raises: its own error, or the lowest failing rank's message (one
+    gather, only then). Raising alone would leave the other ranks waiting at their next
+    collective."""
     world, rank = _world_rank()
     if world == 1:
         if err is not None:
             raise err
         return list(values)
-    out = _max_reduce([world - rank if err is not None else 0] + list(values))
+    out = agree_flags([world - rank if err is not None else 0] + list(values))
     if out[0] == 0:
         return out[1:]
     src = world - out[0]
-    box = [(type(err), str(err)) if rank == src else None]
-    dist.broadcast_object_list(box, src=src)
+    said = agree(what, (type(err), str(err)) if err is not None else None, same=False)
     if err is not None:
         raise err
-    kind, text = box[0]
+    kind, text = said[src]
     if not (isinstance(kind, type) and issubclass(kind, LocalCheckpointError)):
         kind = LocalCheckpointError
     raise kind(f"{what} failed on rank {src}, so on every rank: {text}")
@@ -300,7 +285,53 @@ def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike) -> str:
     removes its own files. Returns the ``.meta`` path written."""
     world, rank = _world_rank()
     path = os.fspath(path)
+    held = _Held(path)
+    try:
+        return _save(state_dict, path, world, rank, held)
+    finally:
+        held.release()
+
+
+@dataclass
+class _Held:
+    """Rank 0's lock on the save's directory (as ``checkpoint.save`` locks its root): a second
+    job saving into the same directory is refused instead of silently replacing this save."""
+
+    path: str
+    token: str | None = None
+    made: bool = False  # rank 0 created the directory: removed again if nothing was saved
+
+    def take(self, world: int) -> None:
+        self.made = not os.path.isdir(self.path)
+        os.makedirs(self.path, exist_ok=True)
+        token = uuid.uuid4().hex
+        for note in lock.acquire(self.path, lock.holder_record(token, self.path, world)):
+            warnings.warn(note, stacklevel=4)
+        self.token = token
+
+    def release(self) -> None:
+        if self.token is not None:
+            lock.release(self.path, self.token)
+            self.token = None
+        if self.made:
+            try:
+                os.rmdir(self.path)  # only if empty: nothing was saved
+            except OSError:
+                pass
+
+
+def _check_directory(path: str) -> None:
+    if os.path.islink(path) and not os.path.exists(path):
+        raise LocalCheckpointError(
+            f"save_local: {path} is a symbolic link to {os.readlink(path)!r}, which does not exist; create the "
+            "link's target directory first, or pass the directory itself")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise LocalCheckpointError(f"save_local: {path} exists and is not a directory")
+
+
+def _save(state_dict, path: str, world: int, rank: int, held: _Held) -> str:
     err, found, flat, meta, data = None, [], {}, {}, {}
+    where = os.path.realpath(path)  # a link and its target are one directory, as for checkpoint.save
     try:
         lists: set = set()
         flat = _flat(state_dict, "save_local", lists)
@@ -308,15 +339,24 @@ def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike) -> str:
         for k, (_, p) in flat.items():
             if p != (k,):  # only nested keys: a flat model state dict's .meta stays as small
                 meta["entries"][k]["path"] = p
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise LocalCheckpointError(f"save_local: {path} exists and is not a directory")
+        _check_directory(path)
+        if rank == 0:  # before looking for parts: a save that finished before it is seen whole
+            held.take(world)
         found = _existing(path)
     except Exception as e:  # agreed below, so no rank goes on alone
         err = e
     plain = sorted(k for k, e in meta.get("entries", {}).items() if e["kind"] in ("full", "object"))
     fp = _fingerprint(meta["entries"]) if err is None else 0
+    dh = _fingerprint({"directory": {"path": where}})
     save_id = (uuid.uuid4().int & _MASK62) | 1 if rank == 0 else 0
-    existing, save_id, hi, neg_lo, n_plain = _agree(err, "save_local", [int(bool(found)), save_id, fp, -fp, len(plain)])
+    existing, save_id, hi, neg_lo, n_plain, d_hi, neg_d_lo = _agree(
+        err, "save_local", [int(bool(found)), save_id, fp, -fp, len(plain), dh, -dh])
+    if d_hi != dh or -neg_d_lo != dh:
+        dirs = agree("save_local", where, same=False)  # only now: name each rank's directory
+        listing = "; ".join(f"rank {r}: {d}" for r, d in enumerate(dirs))
+        raise LocalCheckpointError(
+            f"save_local: the ranks passed different directories ({listing}); the parts of one save go into one "
+            "directory that every rank sees: pass the same path on every rank. Nothing was written")
     if existing:
         what = (f"{os.path.join(path, found[0])} exists" if found
                 else f"{path} exists; another rank saw part files there")
@@ -332,7 +372,7 @@ def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike) -> str:
     per_rank = set()
     if plain and world > 1:
         d = [_digest(data[k]) for k in plain]
-        agreed = _max_reduce(d + [-x for x in d])
+        agreed = agree_flags(d + [-x for x in d])
         per_rank = {k for i, k in enumerate(plain) if agreed[i] != -agreed[len(plain) + i]}
     own: dict = {}
     objects: dict = {}
@@ -446,7 +486,7 @@ def read_meta(path: str, rank: int, world: int) -> dict:
         meta = torch.load(io.BytesIO(payload), weights_only=True)
     except Exception as e:  # pragma: no cover - a payload that matches its CRC but does not load
         raise LocalCheckpointCorruptError(f"load_local: {p} cannot be unpickled ({type(e).__name__}: "
-                                          f"{_first_line(e)})") from None
+                                          f"{first_line(e)})") from None
     if not isinstance(meta, dict) or meta.get("world") != world or meta.get("rank") != rank:
         raise LocalCheckpointCorruptError(
             f"load_local: {p} describes rank {meta.get('rank') if isinstance(meta, dict) else '?'} of world "
@@ -481,12 +521,14 @@ class _Parts:
                 raise LocalCheckpointError(f"load_local: {p} is missing though its .meta exists") from None
             except Exception as e:  # torch's zip reader: "PytorchStreamReader failed ..."
                 raise LocalCheckpointCorruptError(
-                    f"load_local: {p} (saved rank {r}) cannot be read ({type(e).__name__}: {_first_line(e)[:160]}); "
+                    f"load_local: {p} (saved rank {r}) cannot be read ({type(e).__name__}: {first_line(e)[:160]}); "
                     "the file is truncated or damaged. Nothing was loaded") from None
             head = part.get(HEADER_KEY) if isinstance(part, dict) else None
-            if not isinstance(head, dict) or head.get("rank") != r or head.get("world") != self.world:
+            if (not isinstance(head, dict) or head.get("rank") != r or head.get("world") != self.world
+                    or not isinstance(head.get("crc32"), dict)):
                 raise LocalCheckpointCorruptError(f"load_local: {p} has no valid part header for saved rank {r} "
-                                                  f"of {self.world}; the file is damaged or was replaced")
+                                                  f"of {self.world} (its rank, world size and CRC-32 table); the "
+                                                  "file is damaged or was replaced. Nothing was loaded")
             if head.get("save_id") != self.save_id:
                 raise _mixed(self.path, f"{p} (saved rank {r})", head.get("save_id") or 0, self.save_id)
             self.opened[r] = part
@@ -496,8 +538,17 @@ class _Parts:
                                               "lists; the file is damaged. Nothing was loaded")
         t = part[key]
         if (r, key) not in self.checked:
-            check_crc32(t, part[HEADER_KEY]["crc32"][key], f"load_local: {p} (saved rank {r})",
-                        f"the bytes of {key!r}", "Nothing was loaded; load another checkpoint", LocalCheckpointCorruptError)
+            try:
+                check_crc32(t, part[HEADER_KEY]["crc32"][key], f"load_local: {p} (saved rank {r})",
+                            f"the bytes of {key!r}", "Nothing was loaded; load another checkpoint",
+                            LocalCheckpointCorruptError)
+            except LocalCheckpointCorruptError:
+                raise
+            except Exception as e:  # a damaged record header: a tensor torch built with impossible strides
+                raise LocalCheckpointCorruptError(
+                    f"load_local: {p} (saved rank {r}): the stored tensor {key!r} cannot be read back "
+                    f"({type(e).__name__}: {first_line(e)[:160]}); the file is damaged. Nothing was loaded; load "
+                    "another checkpoint") from None
             self.checked.add((r, key))
         return t
 

@@ -33,6 +33,7 @@ from .hooks import eager as _eager
 from .hooks import grad_tensors
 from .param_group import ParamGroup
 from .reduction import Reductions
+from .shared_settings import agree_at_forward
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -186,6 +187,9 @@ class FSDPState:
             if first:
                 self._to_run = {id(m) for m in self.modules}
         if first:
+            self.lazy_init()
+            if self.ctx.iter_forward_root is None:  # the forward's root, before its first collective
+                agree_at_forward(self.ctx.all_states or [self])
             self.lazy_init_from_forward()
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
