@@ -23,9 +23,12 @@ DCP's dotted keys (``optim.state.0.exp_avg``), so every DTensor inside it is sto
 rank that holds it.
 
 Agreement. A save costs three all-reduces of a few int64s (no gather, nothing O(W) on any
-rank): before writing, the ranks agree that every rank could prepare its part, that the
-directory holds no part of another save (if any rank sees one, every rank refuses: two saves
-never mix and nothing is overwritten), on the keys, on which plain values are equal on every
+rank; ``ragged_fsdp.agreement``): before writing, the ranks agree that every rank could
+prepare its part, that they name one directory (resolved; a different one per rank is refused
+on every rank), that the directory holds no part of another save (if any rank sees one, every
+rank refuses: two saves never mix and nothing is overwritten; rank 0 holds the directory's
+lock, as ``checkpoint.save`` holds its root's, from before it looks until every rank wrote, so
+a second job saving there is refused too), on the keys, on which plain values are equal on every
 rank, and on a random save id from rank 0; after writing, that every rank wrote its part (if
 one failed, every rank removes its own files and raises). A load costs one all-reduce: every
 rank first checks what it will read (the ``.meta`` headers, the save id in every part it reads
