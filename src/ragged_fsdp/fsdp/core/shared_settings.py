@@ -64,25 +64,46 @@ def agree_at_forward(states) -> None:
     hosts = _host_groups(dps)
     if not hosts:
         return
-    settings = {f"{g.describe()}: {k}": v for g in groups for k, v in group_settings(g).items()}
-    _exchange(_FORWARD, settings, hosts, None, "forward")
+    # the fingerprint is hashed once per distinct set of values (setters change them rarely)
+    raw = tuple((g.describe(), *group_settings(g).values()) for g in groups)
+    h = _FINGERPRINTS.get(raw)
+    if h is None:
+        if len(_FINGERPRINTS) > 64:
+            _FINGERPRINTS.clear()
+        h = _FINGERPRINTS[raw] = _fingerprint(_forward_settings(groups))
+    _exchange(_FORWARD, lambda: _forward_settings(groups), hosts, None, "forward", h)
+
+
+_FINGERPRINTS: dict[tuple, int] = {}
+
+
+def _forward_settings(groups) -> dict[str, str]:
+    return {f"{g.describe()}: {k}": v for g in groups for k, v in group_settings(g).items()}
+
+
+def _fingerprint(settings: dict[str, str]) -> int:
+    return layout_fingerprint([f"{k}={v}" for k, v in settings.items()])
 
 
 def agree_global_order(dp, micro_batches, error: BaseException | None) -> None:
     """``global_order``: every data-parallel rank passed a valid ``micro_batches`` (``error``:
     this rank's own check failed), the same one, and called it at the same point."""
-    _exchange(_GLOBAL_ORDER, {"micro_batches": repr(micro_batches)}, _host_groups([dp]), error, "global_order")
+    settings = {"micro_batches": repr(micro_batches)}
+    _exchange(_GLOBAL_ORDER, lambda: settings, _host_groups([dp]), error, "global_order", _fingerprint(settings))
 
 
-def _exchange(point: int, settings: dict[str, str], hosts, error, what: str) -> None:
+def _exchange(point: int, describe, hosts, error, what: str, h: int) -> None:
+    """One all-reduce of ``[point, -point, h, -h, failed]``; only when something differs,
+    ``describe()`` (this rank's settings by name) is gathered to say what."""
     if not hosts:
         if error is not None:
             raise error
         return
-    h = layout_fingerprint([f"{k}={v}" for k, v in settings.items()]) if error is None else 0
+    h = h if error is None else 0
     got = agree_flags([point, -point, h, -h, int(error is not None)], hosts)
     if got == [point, -point, h, -h, 0]:
         return
+    settings = describe()
     # Something differs: every rank saw it, so every rank takes this slower path and gathers
     # the details (the failing rank's error travels with them and is raised everywhere).
     rows = agree(what, (dist.get_rank(), point, settings), group=hosts, error=error, same=False)
