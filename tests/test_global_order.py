@@ -492,9 +492,45 @@ def case_norm_counts_replicated_grads_once(rank, world):
         assert torch.equal(a, b * coef)
 
 
+
+def case_micro_batches_agreed(rank, world):
+    """``micro_batches`` invalid on one rank (0, True, None, one W does not divide), or
+    ``global_order`` called on one rank only: a clear error on every rank, never a hang (the
+    harness's barrier after the case would fail on a rank left waiting). Afterwards every rank
+    is back in step: the mode turns on and a micro-step runs."""
+    from ragged_fsdp import fully_shard, global_order
+    from ragged_fsdp.fsdp import SettingMismatchError
+    from ragged_fsdp.models.llama import Llama
+
+    if world == 1:
+        return
+    torch.manual_seed(0)
+    m = Llama(_cfg())
+    fully_shard(m, mesh=_mesh(world))
+    for bad, says in ((0, "positive int, got 0"), (True, "positive int, got True"),
+                      (None, "positive int, got None"), (world * 3 + 1, "does not divide")):
+        with pytest.raises(ValueError) as info:
+            global_order(m, micro_batches=bad if rank == 1 else V)
+        assert says in str(info.value), str(info.value)
+        if rank != 1:
+            assert "failed on rank(s) [1]" in str(info.value), str(info.value)
+    # rank 0 calls global_order, the others go on to their forward: the two exchanges pair
+    if rank == 0:
+        with pytest.raises(SettingMismatchError, match="different points") as info:
+            global_order(m, micro_batches=V)
+    else:
+        with pytest.raises(SettingMismatchError, match="different points") as info:
+            m.loss(*_micro_batch(0, 0))
+    assert "rank(s) [0] called global_order" in str(info.value), str(info.value)
+    global_order(m, micro_batches=V)
+    with torch.no_grad():  # a forward's all-gathers: every rank issues the same ones again
+        m.loss(*_micro_batch(0, rank))
+
+
+
 CASES = [case_train, case_hsdp, case_checkpoint, case_refusals, case_refuses_expert_parallel,
          case_partial_step_is_refused, case_micro_step_that_raised, case_checkpoint_between_micro_steps_is_refused,
-         case_unit_unused_in_some_micro_steps, case_norm_counts_replicated_grads_once]
+         case_unit_unused_in_some_micro_steps, case_norm_counts_replicated_grads_once, case_micro_batches_agreed]
 
 
 @pytest.fixture(scope="module")

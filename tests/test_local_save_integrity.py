@@ -255,7 +255,102 @@ def case_symlink_and_target_are_one_root(rank, world):
     assert latest_checkpoint(target).step == c.step
 
 
-CASES = [case_flipped_byte_in_rank1_part, case_truncated_part, case_garbage_meta,
+def _edit_part_pickle(d, edit):
+    """Apply ``edit`` to the pickled record (tensor headers, the part header) of rank 1's part,
+    in place, its length unchanged."""
+    p = _part(d, 1, "pt")
+    with zipfile.ZipFile(p) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        pkl = z.read(name)
+    data = bytearray(open(p, "rb").read())
+    at = bytes(data).index(pkl)
+    new = edit(bytearray(pkl))
+    assert len(new) == len(pkl) and new != pkl
+    data[at:at + len(pkl)] = new
+    open(p, "wb").write(bytes(data))
+
+
+def case_corrupt_tensor_header(rank, world):
+    """Two bytes of a stored tensor's header (its size and stride), or of the part header's
+    ``crc32`` key: a LocalCheckpointCorruptError naming the file and the saved rank, on both
+    ranks (was a raw ``self.stride(-1) must be 1`` / ``KeyError: 'crc32'``, no file named)."""
+    import re
+
+    def stride(d):
+        def edit(pkl):
+            m = re.search(rb"K([\x04-\xff])\x85q.K\x01\x85", bytes(pkl), re.S)  # size (n,), stride (1,)
+            pkl[m.start(1)] = pkl[m.start(1)] // 2
+            pkl[m.end() - 2] = 2
+            return pkl
+        _edit_part_pickle(d, edit)
+
+    def key(d):
+        _edit_part_pickle(d, lambda pkl: bytearray(bytes(pkl).replace(b"crc32", b"crcXX")))
+
+    for name, damage, says in (("hdr_stride", stride, r"stored tensor .* cannot be read back"),
+                               ("hdr_key", key, r"no valid part header")):
+        err, corrupt = _damaged_load_raises(_dir(name), damage, r"part-00001-of-00002\.pt")
+        assert isinstance(err, corrupt), repr(err)
+        import re as _re
+        assert _re.search(says, str(err)) and ("saved rank 1" in str(err)), str(err)
+        if rank == 0:
+            assert "failed on rank 1" in str(err), str(err)
+
+
+def case_save_into_dangling_symlink(rank, world):
+    from ragged_fsdp.checkpoint import LocalCheckpointError, save_local
+
+    link = _dir("dangling")
+    if rank == 0:
+        os.symlink(_dir("nowhere"), link)
+    dist.barrier()
+    with pytest.raises(LocalCheckpointError, match="symbolic link to .*nowhere.*which does not exist"):
+        save_local(_model(1).state_dict(), link)
+    assert not os.path.exists(_dir("nowhere"))
+
+
+def case_directory_per_rank_refused(rank, world):
+    """A different directory per rank (two unloadable halves before): refused on every rank,
+    naming each rank's directory; nothing is written."""
+    from ragged_fsdp.checkpoint import LocalCheckpointError, save_local
+
+    with pytest.raises(LocalCheckpointError, match="different directories") as info:
+        save_local(_model(1).state_dict(), _dir(f"half{rank}"))
+    assert f"rank 0: {os.path.realpath(_dir('half0'))}" in str(info.value), str(info.value)
+    assert f"rank 1: {os.path.realpath(_dir('half1'))}" in str(info.value), str(info.value)
+    dist.barrier()
+    for r in range(world):
+        assert not os.path.exists(_dir(f"half{r}")) or not os.listdir(_dir(f"half{r}"))
+
+
+def case_directory_another_job_writes_refused(rank, world):
+    """Another job holds the directory's lock (its rank 0 is writing there): refused on every
+    rank, nothing written; once it is released the save goes through."""
+    from ragged_fsdp.checkpoint import LocalCheckpointError, load_local, lock, save_local
+
+    d = _dir("locked")
+    if rank == 0:
+        os.makedirs(d)
+        lock.acquire(d, lock.holder_record("other-job", d, 2))  # a live holder: this very process
+    dist.barrier()
+    m = _model(1)
+    with pytest.raises(OSError if rank == 0 else LocalCheckpointError, match="locked by another writer"):
+        save_local(m.state_dict(), d)
+    assert not [n for n in os.listdir(d) if n.endswith((".pt", ".meta"))]
+    dist.barrier()
+    if rank == 0:
+        lock.release(d, "other-job")
+    dist.barrier()
+    save_local(m.state_dict(), d)
+    m2 = _model(2)
+    load_local(m2.state_dict(), d)
+    ref = _full(m)
+    assert all(torch.equal(ref[k], v) for k, v in _full(m2).items())
+
+
+CASES = [case_corrupt_tensor_header, case_save_into_dangling_symlink, case_directory_per_rank_refused,
+         case_directory_another_job_writes_refused,
+         case_flipped_byte_in_rank1_part, case_truncated_part, case_garbage_meta,
          case_lost_part_then_next_save_is_refused_everywhere, case_part_of_another_save_is_refused_at_load,
          case_only_the_pt_of_another_save, case_write_failure_on_one_rank_raises_everywhere,
          case_bad_value_on_one_rank_raises_everywhere, case_values_that_differ_per_rank,

@@ -194,6 +194,31 @@ def test_head_found_from_structure_not_the_vocabulary_size(caplog):
     assert why["emb.weight"][0] == "adamw" and "blocks.0.0.weight" in {n for n, _ in split_params(t)[0]}
 
 
+def test_ambiguous_head_refused_with_candidates():
+    """Two vocabulary-sized Linears outside the blocks (two heads; a head registered before a
+    vocab-wide adapter): which is the head is not guessed from the order (the first went to
+    Muon before); the error lists both and how to name one, and naming them routes both to AdamW."""
+    for extra, says in (("proj2", "proj2 (64 -> 256)"), ("adapter", "adapter (256 -> 256)")):
+        m = _VocabWideMLP()
+        setattr(m, extra, nn.Linear(64, 256) if extra == "proj2" else nn.Linear(256, 256))
+        with pytest.raises(ValueError, match="head is ambiguous") as info:
+            route_params(m)
+        assert "proj (64 -> 256)" in str(info.value) and says in str(info.value), str(info.value)
+        assert "head=model.proj" in str(info.value), str(info.value)
+        with pytest.raises(ValueError, match="head is ambiguous"):
+            muon_param_groups(m)
+        why = {n: where for n, where, _ in route_params(m, head=[m.proj, getattr(m, extra)])}
+        assert why["proj.weight"] == why[f"{extra}.weight"] == "adamw"
+
+
+def test_head_of_another_model_refused():
+    m, other = _VocabWideMLP(), _VocabWideMLP()
+    with pytest.raises(ValueError, match="head: a Linear module is not part of this _VocabWideMLP"):
+        route_params(m, head=other.proj)
+    with pytest.raises(ValueError, match=r"head: a parameter of shape \(256, 64\) is not part of"):
+        split_params(m, head=[m.proj, other.proj.weight])
+
+
 def test_head_from_get_output_embeddings():
     class HF(_VocabWideMLP):
         def get_output_embeddings(self):

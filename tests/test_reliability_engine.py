@@ -471,7 +471,52 @@ def case_all_reduce_hook_raises_on_one_rank(rank, world):
     dist.destroy_process_group(side)
 
 
+def case_rank_dependent_settings(rank, world):
+    """fully_shard arguments and setters that change collectives, with a value that depends on
+    the rank: an error on every rank naming the setting and each rank's value (unchecked: a
+    gloo size mismatch aborts the process, or a rank waits until the timeout). fully_shard's
+    arguments are refused by fully_shard; a setter at the next forward, before its first
+    all-gather. With the setter put back, the next step's gradients are bitwise those of a
+    model that never saw it."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from ragged_fsdp.fsdp import SettingMismatchError
+
+    mesh = init_device_mesh("cpu", (world,))
+    other = {0: torch.float32, 1: torch.bfloat16}
+    for kw, says in (({"mp_policy": MixedPrecisionPolicy(param_dtype=other[rank])}, "param_dtype"),
+                     ({"mp_policy": MixedPrecisionPolicy(reduce_dtype=other[rank])}, "reduce_dtype"),
+                     ({"reshard_after_forward": rank == 0}, "reshard_after_forward")):
+        m = _model()
+        err = _raises(SettingMismatchError, says, lambda: fully_shard(m[0], mesh=mesh, **kw))
+        assert "rank 0:" in str(err) and "rank 1:" in str(err), str(err)
+    m = _model()
+    ignored = {m[0].bias} if rank == 1 else set()
+    err = _raises(SettingMismatchError, "ignored_params", lambda: fully_shard(m[0], mesh=mesh, ignored_params=ignored))
+    assert "0:bias (8,)" in str(err), str(err)
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    for setter, odd, back in (("set_reshard_after_backward", False, True),
+                              ("set_requires_gradient_sync", False, True),
+                              ("set_reshard_after_forward", False, True)):
+        m = _hooked(mesh)
+        m(x).sum().backward()
+        if rank == 1:
+            getattr(m[0], setter)(odd)
+        err = _raises(SettingMismatchError, setter, lambda: m(x))
+        assert "rank(s) [0]: True; rank(s) [1]: False" in str(err), str(err)
+        if rank == 1:
+            getattr(m[0], setter)(back)
+        m.zero_grad()
+        m(x).sum().backward()
+        ref = _hooked(mesh)
+        ref(x).sum().backward()
+        got, want = _grads(m), _grads(ref)
+        assert all(torch.equal(got[n], want[n]) for n in want), setter
+
+
 CASES_2 = [
+    case_rank_dependent_settings,
     case_grad_scaler_fp16_against_fsdp2, case_grad_scaler_against_one_process,
     case_refuse_bad_shard_dims, case_refuse_user_ragged_param,
     case_optimizer_built_before_fully_shard, case_optimizer_built_after_fully_shard,

@@ -15,8 +15,8 @@ Two forms:
   (end-of-backward flags), where pickling per step would cost host time.
 
 Groups: ``group`` is one process group, or a sequence of them (HSDP's shard and replicate
-groups), or a ``DeviceMesh`` (every dim). On NCCL pass the host (gloo) group
-(``Comm.host_group``): these exchanges are host facts.
+groups), or a ``DeviceMesh`` (every dim); None is the default group. These exchanges are host
+facts: on NCCL they run on each group's gloo twin (``Comm.host_group``).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ragged_fsdp.comm import Comm
 
 __all__ = ["first_line", "agree", "agree_flags", "raise_everywhere", "DisagreementError"]
 
@@ -43,13 +45,22 @@ def first_line(e: BaseException | str) -> str:
 
 
 def _groups(group) -> list:
+    """The host (gloo) groups to exchange over: each group's own on gloo, its gloo twin
+    (``Comm.host_group``, made on first use by the ranks that are all here anyway) on NCCL, so
+    the CPU tensors below never need a device copy and NCCL groups work too."""
     if group is None:
-        return [None] if dist.is_available() and dist.is_initialized() else []
+        if not (dist.is_available() and dist.is_initialized()):
+            return []
+        group = dist.group.WORLD
     if hasattr(group, "get_group") and hasattr(group, "ndim"):  # a DeviceMesh
-        return [group.get_group(d) for d in range(group.ndim)]
-    if isinstance(group, (list, tuple)):
-        return [g for g in group if g is not None]
-    return [group]
+        group = [group.get_group(d) for d in range(group.ndim)]
+    if not isinstance(group, (list, tuple)):
+        group = [group]
+    return [_host(g) for g in group if g is not None]
+
+
+def _host(g):
+    return Comm.of(g).host_group if dist.get_world_size(g) > 1 else g
 
 
 def _size(g) -> int:
@@ -136,7 +147,7 @@ def _equal(a, b) -> bool:
 
 def agree_flags(flags: Sequence[int], group=None) -> list[int]:
     """MAX of each integer over every rank of ``group`` (one all-reduce per group, a CPU
-    int64 tensor: pass a gloo group, e.g. ``Comm.host_group``). Encode "any rank" as a max;
+    int64 tensor, on the groups' gloo twins). Encode "any rank" as a max;
     "every rank" and "all equal" as the max of ``[x, -x]``."""
     t = torch.tensor(list(flags), dtype=torch.int64)
     for g in _groups(group):

@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ragged_fsdp.agreement import agree, first_line
+
 from . import lock
 from .errors import CheckpointLockedError, CheckpointSaveError, CheckpointWarning, describe_failures
 from .integrity import ChecksummedWriter
@@ -147,7 +149,7 @@ def save(
         if isinstance(e, Exception):
             raise CheckpointSaveError(
                 f"ragged_fsdp: saving step {step_} under {root} failed on rank {rank}: {type(e).__name__}: "
-                f"{_first_line(e)}. Nothing was published and this rank removed the partial directory "
+                f"{first_line(e)}. Nothing was published and this rank removed the partial directory "
                 "(if a peer died, the process group is broken: restart the job)", [rank],
             ) from e
         raise  # KeyboardInterrupt, SystemExit: after the cleanup above
@@ -165,10 +167,6 @@ def _warn(notes) -> None:
     for n in notes or ():
         warnings.warn(n, CheckpointWarning, stacklevel=3)
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def _prepare(root: str, step: int | None, world: int):
@@ -307,8 +305,7 @@ def _agree(err: str | None, args, root: str | None, pg) -> None:
         if err:
             raise ValueError(err)
         return
-    everyone = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, (err, args, root), group=pg)
+    everyone = agree("save", (err, args, root), group=pg, same=False)  # one exchange; the messages below
     bad = [(r, e) for r, (e, _, _) in enumerate(everyone) if e]
     if bad:
         ranks = [r for r, _ in bad]

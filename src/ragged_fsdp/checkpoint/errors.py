@@ -9,6 +9,8 @@ the rank(s) and the underlying error.
 
 from __future__ import annotations
 
+from ragged_fsdp.agreement import first_line
+
 __all__ = ["CheckpointSaveError", "CheckpointLockedError", "CheckpointWarning", "describe_failures"]
 
 
@@ -37,10 +39,6 @@ class CheckpointWarning(UserWarning):
     a newer but incomplete checkpoint skipped, a step saved below the newest one."""
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "no message"
-
 
 def describe_failures(failures: dict) -> tuple[str, list[int]]:
     """``rank(s) [0, 1]: OSError: [Errno 28] No space left on device`` for DCP's
@@ -49,6 +47,6 @@ def describe_failures(failures: dict) -> tuple[str, list[int]]:
     by_text: dict[str, list[int]] = {}
     for rank, value in sorted(failures.items()):
         exc = value[0] if isinstance(value, tuple) else value
-        by_text.setdefault(f"{type(exc).__name__}: {_first_line(exc)}", []).append(rank)
+        by_text.setdefault(f"{type(exc).__name__}: {first_line(exc)}", []).append(rank)
     parts = [f"rank(s) {ranks}: {text}" for text, ranks in by_text.items()]
     return "; ".join(parts), sorted(failures)

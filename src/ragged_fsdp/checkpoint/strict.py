@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ragged_fsdp.agreement import first_line
 from ragged_fsdp.fsdp import ResidualWarning, is_residual_key
 
 from ._tree import flatten
@@ -57,17 +58,13 @@ def read_metadata(path: str | os.PathLike) -> Metadata:
         raise
     except Exception as e:  # EOFError, UnpicklingError, ... from a damaged or foreign file
         raise CheckpointCorruptError(
-            f"{md_path} cannot be read ({type(e).__name__}: {_first_line(e)}); the file is "
+            f"{md_path} cannot be read ({type(e).__name__}: {first_line(e)}); the file is "
             "truncated, damaged or not DCP metadata"
         ) from None
     if not isinstance(md, Metadata):
         raise CheckpointCorruptError(f"{md_path} holds a {type(md).__name__}, not DCP metadata")
     return md
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "no message"
 
 
 def _listing(keys, other_tops=None, limit=50) -> str:
@@ -233,12 +230,12 @@ def _translate(e, path) -> Exception:
             if isinstance(exc, cls):
                 return cls(f"{exc} (rank {rank})")
     for rank, (exc, _) in failures:
-        text = _first_line(exc)
+        text = first_line(exc)
         if "Size mismatch" in text or "mismatch sizes" in text:
             return CheckpointMismatchError(f"ragged_fsdp: loading {path}: {text} (rank {rank}); nothing "
                                            "of that tensor was loaded")
     rank, (exc, _) = failures[0]
     return RuntimeError(
         f"ragged_fsdp: loading {path} failed on rank(s) {[r for r, _ in failures]}: "
-        f"{type(exc).__name__}: {_first_line(exc)}"
+        f"{type(exc).__name__}: {first_line(exc)}"
     )

@@ -26,7 +26,7 @@ from ragged_fsdp.quant import MXFP8, BlockFP8
 
 from ..device import device_for
 from .core.init import (
-    collect_params, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
+    collect_params, ignored_names, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of,
 )
 from .compat.torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
@@ -144,7 +144,7 @@ def fully_shard(
             params, modules, placed, where, device_for(device), mp_policy,
             granularity_fn, raf, all_gather_quant=all_gather_quant,
             post_forward_comm=None if isinstance(raf, bool) else node_comm(mesh, raf),
-            gradient_reduce=gradient_reduce,
+            gradient_reduce=gradient_reduce, ignored_params=ignored_names(modules, ignored),
         )
         state.attach_group(group)
         if offload is not None:

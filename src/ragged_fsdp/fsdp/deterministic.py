@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from ragged_fsdp.comm import all_gather_single
 
 from .core.global_order import GlobalOrder, check_unit
+from .core.shared_settings import agree_global_order
 from .core.param_group import ParamGroup
 from .core.step_boundary import StepBoundaryError, check
 
@@ -68,31 +69,31 @@ def _dp(model: nn.Module):
 def global_order(model: nn.Module, micro_batches: int) -> GlobalOrder:
     """Turn the global order on for every group under ``model`` (the root). Raises for
     what it cannot order (see :mod:`.core.global_order`); returns the policy."""
-    order = GlobalOrder(micro_batches)
     groups = _groups(model)
     for g in groups:  # first: an EP layout is refused by name, not as "two meshes"
         for u in g.units:
             if u.trainable:
                 check_unit(u, g.gradient_reduce)
-    dp = _dp(model)
-    order.micro_steps(dp.size)
-    _agree(dp, micro_batches)
+    order = _agree(_dp(model), micro_batches)
     for g in groups:
         g.set_global_order(order)
     return order
 
 
-def _agree(dp, micro_batches: int) -> None:
-    """Every data-parallel rank passed the same ``micro_batches`` (a mismatch would deal
-    micro-batches out differently and hang or mis-pair the step's collectives)."""
-    mine = torch.tensor([micro_batches, -micro_batches], dtype=torch.int64)
-    got = mine.clone()
-    for comm in (dp.shard, dp.replicate):
-        if comm is not None and comm.world_size > 1:
-            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=comm.host_group)
-    if got[0] != -got[1]:
-        raise ValueError(f"global_order: the data-parallel ranks passed different micro_batches (from {-int(got[1])} "
-                         f"to {int(got[0])}; this rank {micro_batches}); pass the same V on every rank")
+def _agree(dp, micro_batches) -> GlobalOrder:
+    """Validate ``micro_batches`` on this rank, then agree on it with every data-parallel rank
+    (one exchange: an invalid value on one rank raises on every rank, a different one names
+    each rank's value, a rank that went on to its forward instead pairs with this exchange
+    and both raise). A mismatch would deal micro-batches out differently and hang or mis-pair
+    the step's collectives."""
+    order, error = None, None
+    try:
+        order = GlobalOrder(micro_batches)
+        order.micro_steps(dp.size)
+    except (ValueError, TypeError) as e:
+        error = e
+    agree_global_order(dp, micro_batches, error)
+    return order
 
 
 def _root_state(model: nn.Module, who: str):

@@ -101,13 +101,23 @@ def _head_params(model: nn.Module, head) -> tuple[dict[int, str], str]:
     out: dict[int, str] = {}
     if head is not None:
         items = head if isinstance(head, (list, tuple, set)) else [head]
+        mine = {id(p) for p in model.parameters()}
         for h in items:
             if isinstance(h, nn.Module):
-                out.update((id(p), "head (explicit)") for p in h.parameters())
+                params = list(h.parameters())
             elif isinstance(h, torch.Tensor):
-                out[id(h)] = "head (explicit)"
+                params = [h]
             else:
                 raise TypeError(f"head: expected modules or parameters, got {type(h).__name__}")
+            if not params or any(id(p) not in mine for p in params):
+                what = (f"a {type(h).__name__} module" if isinstance(h, nn.Module)
+                        else f"a parameter of shape {tuple(h.shape)}")
+                why = "has no parameters" if not params else f"is not part of this {type(model).__name__}"
+                raise ValueError(
+                    f"head: {what} {why} (its parameters are not among the model's), so it would route "
+                    "nothing; pass this model's own output module(s), e.g. head=model.lm_head (build the "
+                    "param groups from the same model object you train)")
+            out.update((id(p), "head (explicit)") for p in params)
         return out, "explicit"
     embeds = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     emb_weights = {id(m.weight) for m in embeds}
@@ -131,13 +141,20 @@ def _head_params(model: nn.Module, head) -> tuple[dict[int, str], str]:
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             inside.update(id(sub) for sub in m.modules())
     vocab = {m.num_embeddings for m in embeds}
-    last = None
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and id(m) not in inside and m.out_features in vocab:
-            last = m
-    if last is not None:
+    candidates = [(n, m) for n, m in model.named_modules()
+                  if isinstance(m, nn.Linear) and id(m) not in inside and m.out_features in vocab
+                  and id(m.weight) not in out]  # a head tied to an embedding is found above
+    if len(candidates) > 1:
+        # Which one is the head depends on registration order, which says nothing: refuse
+        # rather than send an output layer to Muon.
+        listing = ", ".join(f"{n or '<root>'} ({m.in_features} -> {m.out_features})" for n, m in candidates)
+        raise ValueError(
+            f"muon routing: {len(candidates)} Linears outside the repeated blocks have a vocabulary-sized output "
+            f"({listing}), so the output head is ambiguous; name it: head=model.{candidates[0][0] or '...'} (or "
+            "head=[...] for several heads that all go to AdamW). route_params(model, head=...) shows the result")
+    if candidates:
         out.update((id(p), "head (the last Linear outside repeated blocks with an Embedding's vocabulary "
-                           "size as outputs)") for p in last.parameters())
+                           "size as outputs)") for p in candidates[0][1].parameters())
     return out, "structure"
 
 
@@ -147,10 +164,12 @@ def route_params(model: nn.Module, head=None) -> list[tuple[str, str, str]]:
 
     AdamW: embedding weights, tensors with fewer than 2 dims, and the output head: ``head``
     (modules or parameters) when given; else a Linear tied to an Embedding's weight, plus the
-    model's ``get_output_embeddings()`` when it has one (transformers), else the last
+    model's ``get_output_embeddings()`` when it has one (transformers), else the one
     ``nn.Linear`` outside ``ModuleList``/``ModuleDict`` blocks whose ``out_features`` is an
-    Embedding's ``num_embeddings``. Muon: every other matrix (2-D, and stacked 3-D+ experts).
-    Names never decide."""
+    Embedding's ``num_embeddings`` (two or more such Linears are ambiguous: a ValueError lists
+    them; pass ``head=``). Muon: every other matrix (2-D, and stacked 3-D+ experts). Names
+    never decide. ``head=`` must name modules or parameters of ``model`` (a ValueError
+    otherwise: another model's module would route nothing)."""
     embeds: set[int] = set()
     for m in model.modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):

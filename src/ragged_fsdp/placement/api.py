@@ -11,6 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
+from ragged_fsdp.agreement import agree_flags
+
 from .dtensor import (
     _FromLocal, element_ranges, expected_local_shape, has_outer_shards, local_range, make_spec,
     outer_placements, ragged_dim, wrap,
@@ -82,10 +84,7 @@ def _check_pieces(local: torch.Tensor, spec, d: int) -> None:
     dist.all_gather(got, sizes, group=group)
     ranges = element_ranges(spec)
     wrong = [(r, int(g), b - a) for r, (g, (a, b)) in enumerate(zip(got, ranges)) if int(g) != b - a]
-    flag = torch.tensor([int(bool(wrong))], dtype=torch.int64, device=local.device)
-    for k in range(mesh.ndim):
-        if mesh.size(k) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=mesh.get_group(k))
+    (flag,) = agree_flags([int(bool(wrong))], mesh)
     if wrong:
         name = mesh.mesh_dim_names[d] if mesh.mesh_dim_names else d
         said = "; ".join(f"rank {r} holds {g} elements, {spec.placements[d]} gives it {w}" for r, g, w in wrong)
@@ -93,7 +92,7 @@ def _check_pieces(local: torch.Tensor, spec, d: int) -> None:
             f"from_local(run_check=True): on mesh dim {name!r}, {said} (tensor shape "
             f"{tuple(spec.shape)}); every rank must pass its exact piece of the same placement"
         )
-    if int(flag):
+    if flag:
         raise ValueError(
             "from_local(run_check=True): another rank of the mesh found a piece of the wrong size "
             "(see its error); every rank must pass its exact piece of the same placement"

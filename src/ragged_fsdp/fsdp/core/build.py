@@ -91,7 +91,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         # different tensors (or hang when the sizes differ): one small all-reduce to check.
         check_same_layout(dp.shard, dp.mesh, [layouts[j] for j, _, _ in mine],
                           [params[idx[0]][1].dtype for _, _, idx in mine], error, group.describe(),
-                          settings={"gradient_reduce": group.gradient_reduce})
+                          settings=_shared_arguments(group))
     for layout, ((dpk, dtype, _, gather, embedding), idx) in zip(layouts, kinds.items()):
         if gather is Gather.SUBCLASS:
             units.append(build_subclass_unit(
@@ -118,6 +118,14 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         units.append(Unit(index, buf, group.dps[dpk], infos, embedding=embedding, hooks=group.hooks,
                           post_forward_comm=post_forward_comm, group_name=group.name, after_grad=group.after_grad))
     return units
+
+
+def _shared_arguments(group: Building) -> dict[str, object]:
+    """The ``fully_shard`` arguments every rank's collectives depend on (the all-gather and
+    reduce dtypes and formats, when to re-gather, which parameters are sharded at all): folded
+    into the layout fingerprint, so a rank-dependent one is an error naming it on every rank."""
+    return {"gradient_reduce": group.gradient_reduce, "mp_policy": group.mp_policy,
+            "reshard_after_forward": group.reshard_after_forward, "ignored_params": group.ignored_params}
 
 
 def _plan(group: Building, params, placed, idx, dtype, granularity_fn, W, rank, fp8=Gather.PLAIN):

@@ -4,19 +4,20 @@ Each rank plans its group's buffers on its own. If the inputs differ between ran
 ``granularity_fn`` or a model whose answer depends on the rank, parameters created in another
 order), the all-gathers would put one rank's tensors where another expects different ones:
 silently wrong when the buffer sizes happen to match, a collective abort when they do not.
-So ``fully_shard`` compares a 62-bit fingerprint of the layouts with one all-reduce (MAX of
-``h`` and of ``-h`` agree only if every rank has the same ``h``), and only when they differ
-pays for gathering the descriptions to say where.
+So ``fully_shard`` compares a 62-bit fingerprint of the layouts, and of its arguments that
+change collectives (``mp_policy``, ``reshard_after_forward``, ``ignored_params``,
+``gradient_reduce``), with one all-reduce (``agreement.agree_flags``: MAX of ``h`` and of
+``-h`` agree only if every rank has the same ``h``), and only when they differ pays for
+gathering the descriptions (``agreement.agree``) to say where.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-import torch
 import torch.distributed as dist
 
-from .mesh_info import mesh_device
+from ragged_fsdp.agreement import DisagreementError, agree, agree_flags
 
 __all__ = [
     "describe_layouts", "layout_fingerprint", "check_same_layout", "check_same_answers",
@@ -71,9 +72,7 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
         return
     said = [f"setting {k}={v!r}" for k, v in settings.items()]
     h = layout_fingerprint(describe_layouts(layouts, dtypes, per_rank=False) + said) if error is None else 0
-    flags = torch.tensor([int(error is not None), h, -h], dtype=torch.int64, device=mesh_device(mesh))
-    _max_over_mesh(flags, mesh)
-    failed, hi, neg_lo = (int(x) for x in flags.tolist())
+    failed, hi, neg_lo = agree_flags([int(error is not None), h, -h], mesh)
     if error is not None:
         raise error
     if failed:
@@ -86,8 +85,7 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
     if settings:
         _check_same_settings(mesh, settings, what)
     lines = describe_layouts(layouts, dtypes)  # the full form, only to name the difference
-    everyone: list = [None] * comm.world_size
-    dist.all_gather_object(everyone, lines, group=comm.group)
+    everyone = agree(what, lines, group=comm.group, same=False)
     mine = everyone[comm.rank]
     diff = ""
     for r, other in enumerate(everyone):
@@ -111,37 +109,15 @@ def check_same_layout(comm, mesh, layouts, dtypes, error: Exception | None, what
     )
 
 
-class SettingMismatchError(ValueError):
+class SettingMismatchError(DisagreementError):
     """Ranks passed different values of a ``fully_shard`` setting their collectives depend on."""
-
-
-def _gather_over_mesh(obj, mesh) -> list:
-    """Every rank's ``obj`` on every rank of ``mesh`` (one ``all_gather_object`` per dim,
-    innermost first), flattened in the mesh's rank order."""
-    out = obj
-    for d in reversed(range(mesh.ndim)):
-        group = mesh.get_group(d)
-        got: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(got, out, group=group)
-        out = got
-    flat: list = []
-
-    def walk(x, depth):
-        if depth == mesh.ndim:
-            flat.append(x)
-            return
-        for y in x:
-            walk(y, depth + 1)
-
-    walk(out, 0)
-    return flat
 
 
 def _check_same_settings(mesh, settings: dict[str, object], what: str) -> None:
     """Only when the fingerprints differ: gather every rank's settings and raise on every
     rank, naming the setting, the field that differs and each rank's value."""
-    everyone = _gather_over_mesh((dist.get_rank(), {k: repr(v) for k, v in settings.items()},
-                                  {k: _fields(v) for k, v in settings.items()}), mesh)
+    everyone = agree(what, (dist.get_rank(), {k: repr(v) for k, v in settings.items()},
+                            {k: _fields(v) for k, v in settings.items()}), group=mesh, same=False)
     for name in settings:
         values = {rank: said[name] for rank, said, _ in everyone}
         if len(set(values.values())) == 1:
@@ -152,8 +128,8 @@ def _check_same_settings(mesh, settings: dict[str, object], what: str) -> None:
         per_rank = "\n".join(f"  rank {r}: {name}={v}" for r, v in sorted(values.items()))
         raise SettingMismatchError(
             f"fully_shard: ranks passed different {name} for {what}{which}:\n{per_rank}\n"
-            f"Pass the same {name} on every rank: every rank's gradient reductions send and expect "
-            "the same format")
+            f"Pass the same {name} on every rank: every rank's collectives depend on it (the all-gathers' "
+            "and reductions' formats, which collectives run when)")
 
 
 def _fields(v) -> dict[str, str]:
@@ -177,15 +153,6 @@ def _pad(a: list[str], b: list[str]) -> list[str]:
     return a + ["<none>"] * (len(b) - len(a))
 
 
-def _max_over_mesh(t: torch.Tensor, mesh) -> None:
-    """MAX-reduce ``t`` over every rank of ``mesh``: one all-reduce per mesh dim, in dim
-    order on every rank (after dim 0 each row holds its column's max, after dim 1 all do)."""
-    for d in range(mesh.ndim):
-        group = mesh.get_group(d)
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-
-
 def check_same_answers(mesh, lines: list[str], error: Exception | None, what: str) -> None:
     """Raise on every rank of ``mesh`` if any rank failed to place its parameters or placed
     them on other meshes (``lines``: one rank-independent line per parameter, see
@@ -203,9 +170,7 @@ def check_same_answers(mesh, lines: list[str], error: Exception | None, what: st
         return
     h = layout_fingerprint(lines) if error is None else 0
     n = len(lines) if error is None else 0
-    flags = torch.tensor([int(error is not None), h, -h, n, -n], dtype=torch.int64, device=mesh_device(mesh))
-    _max_over_mesh(flags, mesh)
-    failed, hi, neg_lo, n_hi, neg_n_lo = (int(x) for x in flags.tolist())
+    failed, hi, neg_lo, n_hi, neg_n_lo = agree_flags([int(error is not None), h, -h, n, -n], mesh)
     if error is not None:
         raise error
     if failed:
@@ -221,11 +186,10 @@ def check_same_answers(mesh, lines: list[str], error: Exception | None, what: st
         raise LayoutMismatchError(
             f"fully_shard: ranks collected {-neg_n_lo} to {n_hi} parameters for {what} (this rank "
             f"{n}); every rank must wrap the same module with the same parameters")
-    each = torch.tensor([layout_fingerprint([line]) for line in lines], dtype=torch.int64, device=flags.device)
-    both = torch.cat([each, -each])
-    _max_over_mesh(both, mesh)
+    each = [layout_fingerprint([line]) for line in lines]
+    both = agree_flags(each + [-x for x in each], mesh)
     for i, line in enumerate(lines):
-        if int(both[i]) != int(each[i]) or -int(both[n + i]) != int(each[i]):
+        if both[i] != each[i] or -both[n + i] != each[i]:
             name, _, mine = line.partition(": ")
             raise LayoutMismatchError(
                 f"fully_shard: ranks disagree on the mesh of parameter {name!r} of {what}: this "

@@ -21,7 +21,7 @@ from .unit import UnitGroup
 
 __all__ = [
     "state_of", "set_state", "mark_managed", "mark_sharded", "resolve_reshard_after_forward", "node_comm",
-    "collect_params", "walk", "param_device", "move_buffers",
+    "collect_params", "ignored_names", "walk", "param_device", "move_buffers",
 ]
 
 _STATE_ATTR = "_ragged_fsdp_state"
@@ -158,6 +158,20 @@ def collect_params(modules, ignored) -> list[tuple[str, nn.Parameter, list[tuple
                     order.append(id(p))
                 out[id(p)][2].append((sub, pname))
     return [out[i] for i in order]
+
+
+def ignored_names(modules, ignored) -> tuple[str, ...]:
+    """``ignored_params`` as ``name shape`` strings of the parameters they hide under
+    ``modules``: rank-independent, so ranks can agree on them (objects cannot be compared)."""
+    if not ignored:
+        return ()
+    out = []
+    for k, root in enumerate(modules):
+        for mod_name, sub in walk(root):
+            for pname, p in sub._parameters.items():
+                if p is not None and p in ignored:
+                    out.append(f"{k}:{mod_name + '.' if mod_name else ''}{pname} {tuple(p.shape)}")
+    return tuple(out)
 
 
 def walk(root: nn.Module, prefix: str = ""):

@@ -78,8 +78,10 @@ class ParamGroup:
         all_gather_quant=None,
         post_forward_comm=None,
         gradient_reduce=None,
+        ignored_params: tuple[str, ...] = (),
     ):
         self.modules = modules
+        self.ignored_params = ignored_params  # names (and shapes) of fully_shard's ignored_params, for the agreement
         self.dps: list[DPMesh] = []  # the data-parallel meshes of its units, in first-use order
         for pl in placed:
             if not any(pl.dp is d for d in self.dps):

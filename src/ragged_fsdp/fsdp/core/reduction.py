@@ -23,7 +23,7 @@ Every reduction is a typed state in the queue (:class:`Reduction`, :class:`Parti
 ``in_flight`` is the order the shard-dim collectives were issued in, ``issued`` what this
 backward hands out at its end. :meth:`Reductions.hand_out` combines, per data-parallel mesh,
 the flags only the host knows (which slots got a gradient on any rank, which reductions ran
-early) in one all-reduce of a CPU tensor over a gloo group beside the device's process group
+early) in one `agreement.agree_flags` all-reduce of a CPU tensor over a gloo group beside the device's process group
 (``Comm.host_group``): no device-to-host copy in backward. The same exchange carries "the
 all-reduce hook raised on this rank" (:class:`HookFailure`), so that every rank raises there
 and none waits for the failed one in a collective.
@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from ragged_fsdp.agreement import agree_flags
 from ragged_fsdp.quant.grad_wire import GradientReduce, wire_bytes
 
 from .. import tracing as trace
@@ -496,13 +497,11 @@ class Reductions:
             early = [v for r in items for v in (int(r.early), 1 - int(r.early))]
             # last: 1 + the global rank of the highest rank whose all-reduce hook raised
             failed_on = [dist.get_rank() + 1 if here and dist.is_initialized() else int(bool(here))]
-            flags = torch.tensor([int(f) for r in items for f in r.touched] + early + failed_on, dtype=torch.int32)
-            for comm in (dp.shard, dp.replicate):
-                if comm is not None and comm.world_size > 1 and flags.numel():
-                    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=comm.host_group)
-            got = flags.tolist()
-            if got.pop():
-                _raise_hook_failure(here, got_rank=flags[-1].item() - 1, describe=describe)
+            got = agree_flags([int(f) for r in items for f in r.touched] + early + failed_on,
+                              [c.group for c in (dp.shard, dp.replicate) if c is not None])
+            failed_rank = got.pop()
+            if failed_rank:
+                _raise_hook_failure(here, got_rank=failed_rank - 1, describe=describe)
             n_touched = len(got) - len(early)
             mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
             if mixed:

@@ -33,6 +33,7 @@ from .param_group import ParamGroup
 from .reduction import Reductions
 from .late_params import check_no_late_params, generation, watch
 from .step_boundary import check, check_forward, register_root
+from .shared_settings import agree_at_forward
 
 __all__ = ["FSDPState", "RootContext"]
 
@@ -194,6 +195,9 @@ class FSDPState:
             if first:
                 self._to_run = {id(m) for m in self.modules}
         if first:
+            self.lazy_init()
+            if self.ctx.iter_forward_root is None:  # the forward's root, before its first collective
+                agree_at_forward(self.ctx.all_states or [self])
             self.lazy_init_from_forward()
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)

@@ -419,6 +419,8 @@ class Building(Protocol):
     mp_policy: Any
     hooks: CommHooks
     gradient_reduce: Any  # a GradientReduce or None
+    reshard_after_forward: bool | int
+    ignored_params: tuple[str, ...]  # ``ignored_names`` of fully_shard's ignored_params
 
     def name(self) -> str: ...
 
