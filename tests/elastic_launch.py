@@ -48,8 +48,12 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
     os.makedirs(os.path.join(out, "nodes"))
     port = _free_port()
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OUT=out, STEPS=str(steps), DIE=die, WAIT_AT=wait_at, PYTHONPATH=SRC + os.pathsep + HERE,
-               OMP_NUM_THREADS="1", PG_TIMEOUT="60", LOGLEVEL="INFO")
+    env = dict(os.environ, OUT=out, STEPS=str(steps), DIE=die, WAIT_AT=f"0:{nodes};{wait_at}", PYTHONPATH=SRC + os.pathsep + HERE,
+               OMP_NUM_THREADS="1", PG_TIMEOUT="60", LOGLEVEL="INFO",
+               # torchrun's default shares the first round's rank-0 agent store with the workers of
+               # every later round: a dead rank-0 node leaves them a dead store, and the old
+               # rounds' gloo keys (no per-round prefix) point the new group at dead workers
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.pop("TORCHELASTIC_RUN_ID", None)
     if fallback:
         env["FALLBACK"] = os.path.join(out, "dcp")
@@ -60,7 +64,8 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
         while any(a.poll() is None for a in agents.values()):
             if time.time() - t0 > timeout_s:
                 raise TimeoutError(f"scenario in {out} did not finish in {timeout_s} s")
-            if grow and not grown and os.path.exists(events) and "waiting" in open(events).read():
+            if grow and not grown and os.path.exists(events) and any(
+                    ln.startswith("waiting") and not ln.endswith("step=0") for ln in open(events).read().splitlines()):
                 for i in range(grow):
                     agents[f"g{i}"] = _agent(port, f"g{i}", out, env)
                 grown = True

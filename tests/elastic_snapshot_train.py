@@ -5,8 +5,9 @@ node-local directory ``SNAP_DIR``, and a test-only hook that kills this node whe
 Environment (set per agent by the test): ``SNAP_DIR`` (this node's directory), ``OUT`` (where
 rank 0 logs; the test reads it, the library never sees it), ``STEPS``, ``NODE`` (the agent's
 name), ``DIE`` (``node:where:step;...``, ``where`` in after / backward / optimizer / snapshot:
-the node dies there once, its directory deleted with it), ``WAIT_AT`` (``step:W``: at that
-step, a run with fewer than W ranks waits for nodes to join), ``FALLBACK`` (a DCP root for the
+the node dies there once, its directory deleted with it), ``WAIT_AT`` (``step:W;...``: at that
+step, a run with fewer than W ranks waits for nodes to join; the test always waits for 4 at
+step 0, as agents start at different times), ``FALLBACK`` (a DCP root for the
 double loss; a checkpoint every 2 steps).
 """
 
@@ -89,10 +90,10 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out, "events.txt"), "a") as f:
             f.write(f"start W={world} at={start} extra={snaps.extra} from={snaps.restored_from}\n")
-    wait = os.environ.get("WAIT_AT")
+    waits = dict(tuple(map(int, w.split(":"))) for w in filter(None, os.environ.get("WAIT_AT", "").split(";")))
     for step in range(start, steps):
         state["step"] = step
-        if wait and step == int(wait.split(":")[0]) and world < int(wait.split(":")[1]):
+        if world < waits.get(step, 0):
             if rank == 0:
                 with open(os.path.join(out, "events.txt"), "a") as f:
                     f.write(f"waiting W={world} step={step}\n")

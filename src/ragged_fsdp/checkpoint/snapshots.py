@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 import zlib
 from collections.abc import Iterable
@@ -315,19 +316,20 @@ class Snapshots:
 
         if self.fallback is None:
             raise ValueError("Snapshots.checkpoint: pass fallback=<root on shared storage> to Snapshots first")
-        save({"train": TrainState(self.model, self.optimizers), "snapshot": {"step": step, "extra": extra}},
+        # extra as pickled bytes: DCP would flatten a dict into keys the restoring side cannot name
+        save({"train": TrainState(self.model, self.optimizers), "snapshot": {"step": step, "extra": pickle.dumps(extra)}},
              self.fallback, step=step, keep_last=keep_last)
 
     def _fall_back(self, lost: SnapshotLostError | None) -> int:
         from .resume import load_latest
         from .train_state import TrainState
 
-        state = {"train": TrainState(self.model, self.optimizers), "snapshot": {"step": 0, "extra": None}}
-        found = load_latest(self.fallback, state, missing_ok=lost is None, strict=False)
+        state = {"train": TrainState(self.model, self.optimizers), "snapshot": {"step": 0, "extra": b""}}
+        found = load_latest(self.fallback, state, missing_ok=lost is None)
         if found is None:
             return 0
         step = int(state["snapshot"]["step"])
-        self.extra = state["snapshot"]["extra"]
+        self.extra = pickle.loads(state["snapshot"]["extra"])
         if lost is not None and dist.get_rank() == 0:
             warnings.warn(f"{first_line(lost)}. Fell back to the DCP checkpoint {found.path} (step {step}): steps "
                           f"{step} to {lost.step - 1} are lost and run again", CheckpointWarning, stacklevel=3)
