@@ -4,7 +4,7 @@ node-local directory ``SNAP_DIR``, and a test-only hook that kills this node whe
 
 Environment (set per agent by the test): ``SNAP_DIR`` (this node's directory), ``OUT`` (where
 rank 0 logs; the test reads it, the library never sees it), ``STEPS``, ``NODE`` (the agent's
-name), ``DIE`` (``node:where:step;...``, ``where`` in after / backward / optimizer / snapshot:
+name), ``DIE`` (``node:where:step;...``, ``node`` an agent's name or ``r<rank>``, ``where`` in after / backward / optimizer / snapshot:
 the node dies there once, its directory deleted with it), ``WAIT_AT`` (``step:W;...``: at that
 step, a run with fewer than W ranks waits for nodes to join; the test always waits for 4 at
 step 0, as agents start at different times), ``FALLBACK`` (a DCP root for the
@@ -29,12 +29,14 @@ V, SEED, DROPOUT = 12, 1234, 0.1
 def _die(where: str, step: int) -> None:
     for spec in filter(None, os.environ.get("DIE", "").split(";")):
         node, w, s = spec.split(":")
-        if node != os.environ["NODE"] or w != where or int(s) != step:
+        me = f"r{dist.get_rank()}" if node.startswith("r") else os.environ["NODE"]  # a rank, or an agent
+        if node != me or w != where or int(s) != step:
             continue
         mark = os.path.join(os.environ["OUT"], f"died-{node}-{w}-{s}")
         if os.path.exists(mark):
             continue
-        open(mark, "w").close()
+        with open(mark, "w") as f:
+            f.write(os.environ["NODE"])
         shutil.rmtree(os.environ["SNAP_DIR"], ignore_errors=True)  # the node's memory goes with it
         os.kill(os.getppid(), signal.SIGKILL)  # the agent
         os.kill(os.getpid(), signal.SIGKILL)
