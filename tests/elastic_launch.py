@@ -21,7 +21,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "elastic_snapshot_train.py")
 SRC = os.path.join(os.path.dirname(HERE), "src")
-RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120,last_call_timeout=5"
+RDZV_CONF = ("is_host=false,keep_alive_interval=2,keep_alive_max_attempt=5,join_timeout=300,last_call_timeout=5,"
+             "read_timeout=300")
 MAX_RESTARTS = 10
 
 
@@ -47,7 +48,6 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.join(out, "nodes"))
     port = _free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     env = dict(os.environ, OUT=out, STEPS=str(steps), DIE=die, WAIT_AT=f"0:{nodes};{wait_at}", PYTHONPATH=SRC + os.pathsep + HERE,
                OMP_NUM_THREADS="1", PG_TIMEOUT="60", LOGLEVEL="INFO",
                # torchrun's default shares the first round's rank-0 agent store with the workers of
@@ -57,8 +57,14 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
     env.pop("TORCHELASTIC_RUN_ID", None)
     if fallback:
         env["FALLBACK"] = os.path.join(out, "dcp")
-    agents = {f"n{i}": _agent(port, f"n{i}", out, env) for i in range(nodes)}
     t0, grown = time.time(), False
+    agents = {f"n{i}": _agent(port, f"n{i}", out, env) for i in range(nodes)}
+    # the store opens once every agent has imported torch (seconds apart on a loaded machine),
+    # so the first round has all of them: agents wait for it to appear (read_timeout)
+    while time.time() - t0 < 120 and not all(
+            "Starting elastic_operator" in open(os.path.join(out, f"agent-{n}.log")).read() for n in agents):
+        time.sleep(0.2)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     events = os.path.join(out, "events.txt")
     try:
         while any(a.poll() is None for a in agents.values()):

@@ -182,11 +182,9 @@ class Snapshots:
         if step % self.every:
             return False
         rank, world = dist.get_rank(), dist.get_world_size()
-        err = _at_step_boundary(self.model)
-        try:
-            _rm(snap_dir(self.dir, step))  # a torn attempt at this step (from before a restore)
-        except OSError as e:
-            err = err or f"Snapshots.snapshot: cannot clear {snap_dir(self.dir, step)}: {e}"
+        why = _at_step_boundary(self.model)
+        err = SnapshotError(why) if why else None
+        _rm(snap_dir(self.dir, step))  # a torn attempt at this step (from before a restore)
         d = _digest(extra)
         keys = agree("Snapshots.snapshot", node_key(), error=err, same=False)
         snap_id, hi, neg = agree_flags([(int.from_bytes(os.urandom(8), "little") & _MASK62) | 1 if rank == 0 else 0,
@@ -277,17 +275,26 @@ class Snapshots:
             kind = "own" if reports[holders[r]]["steps"][step]["own"].get(r) == world else "copy"
             return os.path.join((own_dir if kind == "own" else copy_dir)(reports[holders[r]]["dir"], step), name)
 
-        # every rank needs every .meta (a few numbers per tensor); .pt files are fetched whole
-        wanted = [(r, n) for r in range(world) for n in part_names(r, world)]
-        needs = agree("Snapshots.restore (parts)", [(r, n) for r, n in wanted if local(r, n) is None], same=False)
-        plan = [(holders[r], dst, where(r, n), os.path.join(staging_dir(reports[dst]["dir"], dst), n))
-                for dst, rows in enumerate(needs) for r, n in rows]
-        for r, n in wanted:
-            src = local(r, n)
-            if src is not None:
-                os.symlink(src, os.path.join(stage, n))
-        send_files(plan)
+        def fetch(wanted, what: str) -> None:
+            err, missing = None, []
+            try:  # a local failure travels in the agreement: no rank is left waiting in a collective
+                for r, n in wanted():
+                    src = local(r, n)
+                    if src is None:
+                        missing.append((r, n))
+                    else:
+                        os.symlink(src, os.path.join(stage, n))
+            except Exception as e:
+                err = e
+            needs = agree(f"Snapshots.restore ({what})", missing, error=err, same=False)
+            send_files([(holders[r], dst, where(r, n), os.path.join(staging_dir(reports[dst]["dir"], dst), n))
+                        for dst, rows in enumerate(needs) for r, n in rows])
+
+        # every rank reads every .meta (a few numbers per tensor), then only the parts whose
+        # pieces overlap what it holds at W'
+        fetch(lambda: [(r, part_names(r, world)[1]) for r in range(world)], "metadata")
         state = self._state()
+        fetch(lambda: [(r, part_names(r, world)[0]) for r in sorted(_needed_parts(state, stage, world))], "parts")
         try:
             load_local(state, stage)
         except LocalCheckpointError as e:
@@ -336,6 +343,30 @@ class Snapshots:
         remove_steps(self.dir, set())
         self.restored_from = step
         return step
+
+
+def _needed_parts(state: dict, stage: str, world: int) -> set[int]:
+    """The saved ranks whose ``.pt`` ``load_local`` will read to fill this rank's ``state``:
+    part 0 (plain values are stored there), this rank's own at an unchanged ``W`` (values
+    stored per rank), and every part a RaggedShard value's pieces overlap."""
+    from torch.distributed.tensor import DTensor
+
+    from ._tree import flatten
+    from .local_layout import RunLayout
+    from .local_save import describe_local
+
+    entries = describe_local(stage)["entries"]
+    rank = dist.get_rank()
+    need = {0} | ({rank} if world == dist.get_world_size() else set())
+    flat, _ = flatten(state)
+    for key, value in flat.items():
+        e = entries.get(key)
+        if e is None or e["kind"] != "ragged" or not isinstance(value, DTensor):
+            continue
+        a, b = value._spec.placements[0].element_range(tuple(value.shape), value.device_mesh.get_local_rank(0))
+        layout = RunLayout(tuple(e["shape"]), tuple(e["dims"]), e["unit"], tuple(map(tuple, e["runs"])))
+        need.update(pc.rank for pc in layout.pieces(a, b))
+    return need
 
 
 def _rm(path: str) -> None:
