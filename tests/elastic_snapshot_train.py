@@ -82,9 +82,9 @@ def main() -> None:
     opt.register_step_post_hook(lambda o, a, k: _die("optimizer", state["step"]))
     send = snapshots_module.send_files
 
-    def send_files(plan):  # inside a snapshot: this node's part is written, the copies are not
+    def send_files(*args, **kwargs):  # inside a snapshot: this node's part is written, the copies are not
         _die("snapshot", state["step"])
-        send(plan)
+        send(*args, **kwargs)
 
     snapshots_module.send_files = send_files
     snaps = Snapshots(model, opt, dir=os.environ["SNAP_DIR"], run="elastic-test", fallback=os.environ.get("FALLBACK"))

@@ -157,7 +157,10 @@ class Snapshots:
         self.restored_from: int | None = None
         self.last_committed: int | None = None
         self.run = self._fingerprint(run_id)
-        agree("Snapshots(every=...)", every)
+        # the host group: these exchanges carry host bytes and objects (NCCL takes device
+        # tensors only, so on NCCL a gloo group over the same ranks)
+        self.group = dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend()) else None
+        agree("Snapshots(every=...)", every, group=self.group)
 
     # -- what a snapshot holds ----------------------------------------------------------------
     def _fingerprint(self, run_id: str) -> int:
@@ -186,9 +189,9 @@ class Snapshots:
         err = SnapshotError(why) if why else None
         _rm(snap_dir(self.dir, step))  # a torn attempt at this step (from before a restore)
         d = _digest(extra)
-        keys = agree("Snapshots.snapshot", node_key(), error=err, same=False)
+        keys = agree("Snapshots.snapshot", node_key(), error=err, same=False, group=self.group)
         snap_id, hi, neg = agree_flags([(int.from_bytes(os.urandom(8), "little") & _MASK62) | 1 if rank == 0 else 0,
-                                        d, -d])
+                                        d, -d], self.group)
         if hi != -neg:
             raise SnapshotError("Snapshots.snapshot: extra differs between ranks; pass the same value on every "
                                 "rank (a global data position, not a per-rank one); nothing was saved")
@@ -202,7 +205,7 @@ class Snapshots:
             write_atomic(info_path(self.dir, step, rank), buf.getvalue())
         except Exception as e:
             err = e
-        raise_everywhere("Snapshots.snapshot", err)
+        raise_everywhere("Snapshots.snapshot", err, self.group)
         peers = peer_of(keys)
         plan = []
         for src, dst in enumerate(peers):
@@ -212,10 +215,10 @@ class Snapshots:
                                  os.path.join(copy_dir(self.dir, step), name)))
         err = None
         try:
-            send_files(plan)
+            send_files(plan, self.group)
         except Exception as e:
             err = e
-        raise_everywhere("Snapshots.snapshot (peer copy)", err)
+        raise_everywhere("Snapshots.snapshot (peer copy)", err, self.group)
         mark_committed(self.dir, step, rank)
         # every rank reached this snapshot's collectives, so the previous one is committed on
         # every rank: keep it (until this one is marked everywhere) and this one
@@ -233,7 +236,7 @@ class Snapshots:
         for s in report["steps"].values():
             if s["info"] is not None:
                 s["info"] = {k: s["info"][k] for k in ("run", "id", "world", "step")}
-        reports = agree("Snapshots.restore", report, same=False)
+        reports = agree("Snapshots.restore", report, same=False, group=self.group)
         try:
             chosen = choose_snapshot(reports, self.run)
         except SnapshotLostError as e:
@@ -286,9 +289,9 @@ class Snapshots:
                         os.symlink(src, os.path.join(stage, n))
             except Exception as e:
                 err = e
-            needs = agree(f"Snapshots.restore ({what})", missing, error=err, same=False)
+            needs = agree(f"Snapshots.restore ({what})", missing, error=err, same=False, group=self.group)
             send_files([(holders[r], dst, where(r, n), os.path.join(staging_dir(reports[dst]["dir"], dst), n))
-                        for dst, rows in enumerate(needs) for r, n in rows])
+                        for dst, rows in enumerate(needs) for r, n in rows], self.group)
 
         # every rank reads every .meta (a few numbers per tensor), then only the parts whose
         # pieces overlap what it holds at W'
@@ -306,10 +309,10 @@ class Snapshots:
         info = torch.load(info_path(self.dir, step, rank), weights_only=False) if os.path.exists(
             info_path(self.dir, step, rank)) else None
         # the extra of the snapshot: from the lowest rank that has an info file
-        (have,) = agree_flags([dist.get_world_size() - rank if info is not None else 0])
+        (have,) = agree_flags([dist.get_world_size() - rank if info is not None else 0], self.group)
         src = dist.get_world_size() - have
         box = [info["extra"] if info is not None and rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         self.extra = box[0]
         if world == dist.get_world_size() and info is not None and info["world"] == world:
             torch.set_rng_state(info["rng"])  # same W: each rank's global RNG as its node saved it
