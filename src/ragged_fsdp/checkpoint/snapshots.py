@@ -181,8 +181,9 @@ class Snapshots:
     def snapshot(self, step: int, extra: Any = None) -> bool:
         """Keep the state after ``step`` steps (the step to run next) if ``step`` is a multiple
         of ``every``; ``extra`` (the data position, ...) must be equal on every rank. Collective.
-        Returns whether a snapshot was committed."""
-        if step % self.every:
+        Returns whether a snapshot was committed (False for a step not due, and for the step
+        already committed: taking it again would first remove the only committed snapshot)."""
+        if step % self.every or step == self.last_committed:
             return False
         rank, world = dist.get_rank(), dist.get_world_size()
         why = _at_step_boundary(self.model)
