@@ -89,17 +89,21 @@ def _write_atomic(path: str, write) -> None:
         raise
 
 
-def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike) -> str:
+def save_local(state_dict: Mapping[str, Any], path: str | os.PathLike, *, node_local: bool = False) -> str:
     """Write this rank's part of a checkpoint into directory ``path`` (created if needed; on a
     file system every rank sees). Call on every rank; four all-reduces of a few integers, no
     gather. A directory that already holds any part of a save is refused on every rank
     (nothing written); a write that fails on any rank raises on every rank, and every rank
-    removes its own files. Returns the ``.meta`` path written."""
+    removes its own files. Returns the ``.meta`` path written.
+
+    ``node_local=True``: each node saves into its own directory (node-local memory such as
+    ``/dev/shm``; the path may differ between nodes), so the ranks' directories are not
+    compared; the caller gathers the parts before a load (``checkpoint.Snapshots`` does)."""
     world, rank = _world_rank()
     path = os.fspath(path)
     held = _Held(path)
     try:
-        return _save(state_dict, path, world, rank, held)
+        return _save(state_dict, path, world, rank, held, node_local)
     finally:
         held.release()
 
@@ -141,7 +145,7 @@ def _check_directory(path: str) -> None:
         raise LocalCheckpointError(f"save_local: {path} exists and is not a directory")
 
 
-def _save(state_dict, path: str, world: int, rank: int, held: _Held) -> str:
+def _save(state_dict, path: str, world: int, rank: int, held: _Held, node_local: bool = False) -> str:
     err, found, flat, meta, data = None, [], {}, {}, {}
     where = os.path.realpath(path)  # a link and its target are one directory, as for checkpoint.save
     try:
@@ -157,7 +161,7 @@ def _save(state_dict, path: str, world: int, rank: int, held: _Held) -> str:
         err = e
     plain = sorted(k for k, e in meta.get("entries", {}).items() if e["kind"] in ("full", "object"))
     fp = _fingerprint(meta["entries"]) if err is None else 0
-    dh = _fingerprint({"directory": {"path": where}})
+    dh = _fingerprint({"directory": {"path": "" if node_local else where}})
     save_id = (uuid.uuid4().int & _MASK62) | 1 if rank == 0 else 0
     existing, save_id, hi, neg_lo, n_plain, d_hi, neg_d_lo = _agree(
         err, "save_local", [int(bool(found)), save_id, fp, -fp, len(plain), dh, -dh])
