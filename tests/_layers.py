@@ -38,7 +38,7 @@ FSDP_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("compat", ("compat",)),  # torch FSDP2's contracts, typed by protocols: nothing of core imported
     ("core", ("core",)),  # the life of one fully_shard call: groups, units, backward, reductions
     ("offload", ("offload",)),  # host memory: handed to units, and the whole-model phase switch
-    ("api", ("api", "deterministic", "__init__")),  # what users call
+    ("api", ("api", "deterministic", "micro_rng", "__init__")),  # what users call
 ]
 
 # Imports against the order that exist today, each (importer, imported). Remove an entry when

@@ -27,6 +27,10 @@
   tensors); ``ScaleLoadPlanner``: DCP's load planner, the default of ``load`` /
   ``load_latest`` / ``read_full``, matching each local chunk against a sorted index of a
   tensor's saved runs instead of all of them. See ``docs/scale.md``.
+* ``Snapshots``: every K steps each rank's shard in node-local memory plus one peer's copy
+  from another node; ``restore()`` after a torchrun elastic restart fetches lost parts from
+  the copies and reshards to the new world size (``docs/reliability.md``... see *Surviving
+  failures*).
 * ``async_save``: ``dcp.async_save`` with a stager that keeps RaggedShard layouts (torch's
   default stager copies through ``new_empty`` and loses them).
 """
@@ -51,6 +55,8 @@ from .strict import CheckpointMismatchError, check_state, load, read_metadata
 from .train_state import TrainState
 from .local_save import LocalCheckpointCorruptError, LocalCheckpointError, load_local, local_parts, save_local
 from .scale_planner import ScaleLoadPlanner, ScaleSavePlanner
+from .snapshots import (SnapshotError, SnapshotLostError, SnapshotMismatchError, SnapshotRestoreError, Snapshots,
+                        choose_snapshot)
 
 __all__ = [
     "Checkpoint", "CheckpointCorruptError", "CheckpointLockedError", "CheckpointSaveError", "CheckpointWarning", "CheckpointMismatchError", "ChecksummedReader", "ChecksummedWriter",
@@ -60,4 +66,5 @@ __all__ = [
     "read_full", "read_metadata", "resolve", "save", "set_model_state_dict",
     "set_optimizer_state_dict", "set_state_dict", "torch_save_to_dcp",
     "LocalCheckpointError", "LocalCheckpointCorruptError", "local_to_torch_save", "load_local", "local_parts", "save_local", "ScaleLoadPlanner", "ScaleSavePlanner",
+    "Snapshots", "SnapshotError", "SnapshotLostError", "SnapshotMismatchError", "SnapshotRestoreError", "choose_snapshot",
 ]
