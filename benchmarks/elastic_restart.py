@@ -17,7 +17,7 @@ worker). The trainer is the tiny Llama, gloo, a global batch of 12 sequences spl
 ranks (12 divides W = 2, 3, 4), ``--pace`` seconds of sleep per step standing in for compute.
 ``fsdp2_dcp``: torch's ``fully_shard`` and ``dcp.save`` every ``--every`` steps into one
 shared directory, ``dcp.load`` of the newest complete save on start. ``snapshot``:
-ragged_fsdp's ``fully_shard`` and ``Snapshot`` every step into per-agent node directories
+ragged_fsdp's ``fully_shard`` and ``Snapshots(every=1)`` into per-agent node directories
 (no shared directory).
 """
 
@@ -91,11 +91,10 @@ def train(a) -> None:
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
             start = done[-1] + 1
     else:
-        from ragged_fsdp.checkpoint.snapshot import Snapshot  # the snapshot branch's API
+        from ragged_fsdp.checkpoint import Snapshots
 
-        snap = Snapshot(model, opt, node_dir=a.node_dir)
-        restored = snap.restore()
-        start = 0 if restored is None else restored + 1
+        snap = Snapshots(model, opt, dir=a.node_dir, every=1)
+        start = snap.restore()  # 0 on a fresh start; else the step after the newest snapshot
     log_line(a.log, event="start", rank=rank, W=W, restart=restart, resumed_at=start, t_proc=t_proc)
 
     data = torch.Generator().manual_seed(1234)
@@ -114,7 +113,7 @@ def train(a) -> None:
                 msd, osd = get_state_dict(model, opt)
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(a.ckpt, f"step-{step}"))
         else:
-            snap.snapshot(step)
+            snap.snapshot(step + 1)
         log_line(a.log, event="step", rank=rank, W=W, restart=restart, step=step, loss=loss.item())
     dist.barrier()
     dist.destroy_process_group()
@@ -159,6 +158,7 @@ def trial(a, conf_name, max_restarts, index) -> dict:
         if t_kill is None and sum(r.get("step") == a.kill_after for r in rows) >= 4:
             kill_node(agents[3].pid)
             t_kill = time.time()
+            shutil.rmtree(os.path.join(work, "node3"), ignore_errors=True)  # its memory goes with it
             deadline = t_kill + a.deadline
         if all(q.poll() is not None for q in (agents[:3] if t_kill else agents)):
             break
@@ -184,8 +184,56 @@ def trial(a, conf_name, max_restarts, index) -> dict:
         "steps_lost": None if resumed is None or last_before is None else last_before + 1 - resumed,
         "s_kill_to_next_step": None if not after else round(min(r["t"] for r in after) - t_kill, 2),
         "s_kill_to_worker_start": None if not starts else round(min(r["t_proc"] for r in starts) - t_kill, 2),
+        **agent_phases(work, t_kill),
         "work": work,
     }
+
+
+def keep_logs(work: str, dest: str) -> None:
+    """The trial's step log and the agents' log lines without C++ stack frames, for docs/data."""
+    os.makedirs(dest, exist_ok=True)
+    shutil.copy(os.path.join(work, "steps.jsonl"), os.path.join(dest, "steps.jsonl")) \
+        if os.path.exists(os.path.join(work, "steps.jsonl")) else None
+    for node in range(4):
+        src = os.path.join(work, f"agent{node}.log")
+        if os.path.exists(src):
+            with open(src, errors="replace") as f, open(os.path.join(dest, f"agent{node}.log"), "w") as g:
+                g.writelines(line for line in f if not line.startswith(("frame #", "Exception raised from")))
+
+
+def agent_phases(work: str, t_kill: float | None) -> dict:
+    """From the survivors' agent logs (LOGLEVEL=INFO): seconds from the kill until the first
+    agent saw its worker group fail, and until the first rendezvous after that completed."""
+    import datetime as _dt
+    import re
+
+    stamp = re.compile(r"^[IWE](\d{4}) (\d\d:\d\d:\d\d\.\d+) ")
+    failed, rdzv, per_agent = [], [], []
+    for node in range(3):
+        path = os.path.join(work, f"agent{node}.log")
+        per_agent.append(sum("Worker group FAILED" in line for line in open(path, errors="replace"))
+                         if os.path.exists(path) else 0)
+        path = os.path.join(work, f"agent{node}.log")
+        if not os.path.exists(path) or t_kill is None:
+            continue
+        for line in open(path, errors="replace"):
+            m = stamp.match(line)
+            if not m:
+                continue
+            day = _dt.datetime.fromtimestamp(t_kill, _dt.timezone.utc)
+            t = _dt.datetime.strptime(f"{day.year}{m.group(1)} {m.group(2)}", "%Y%m%d %H:%M:%S.%f")
+            t = t.replace(tzinfo=_dt.timezone.utc).timestamp()
+            if t < t_kill:
+                continue
+            if "Worker group FAILED" in line or "membership changes" in line.lower():
+                failed.append(t)
+            elif "Rendezvous complete" in line:
+                rdzv.append(t)
+    first_fail = min(failed, default=None)
+    after = [t for t in rdzv if first_fail is not None and t > first_fail]
+    return {"worker_group_failures_per_agent": per_agent,
+            "s_kill_to_first_agent_failure": None if first_fail is None else round(first_fail - t_kill, 2),
+            "s_kill_to_first_rendezvous": None if not after else round(min(after) - t_kill, 2)}
 
 
 def kill_node(pid: int) -> None:
@@ -223,6 +271,8 @@ CONFS = {
     "fast": (FAST, {}),
     "noshare": ("", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     "fast_noshare": (FAST, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+    # and the last call for late nodes cut from 30 s to 5 s (the survivors join within it)
+    "fast_lc5_noshare": (FAST + ",last_call_timeout=5", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
 
 
@@ -245,6 +295,7 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1)
     p.add_argument("--work", default="/tmp/elastic_restart")
     p.add_argument("--out", default="docs/data/elastic_restart.json")
+    p.add_argument("--logs", default="", help="copy each trial's step log and agent logs under this directory")
     if "ELASTIC_RESTART_TRAIN" in os.environ:
         train(argparse.Namespace(**json.loads(os.environ["ELASTIC_RESTART_TRAIN"])))
         return
@@ -254,21 +305,28 @@ def main() -> None:
     for i in range(a.trials):  # alternate the settings inside each round
         for name, mr in plan:
             r = trial(a, name, mr, i)
+            if a.logs:
+                keep_logs(r["work"], os.path.join(a.logs, os.path.basename(r["work"])))
             print(json.dumps(r), flush=True)
             results.append(r)
+            write(a, results)  # after every trial: a long matrix cut short keeps what it measured
     print(f"\n{a.mode}: kill -9 of one of four agents after step {a.kill_after} ({a.steps} steps, "
           f"{a.pace}s pace, gloo timeout {a.timeout}s)\n")
-    print("| settings | max-restarts | finished | restarts used | steps lost (median) | s kill -> next step (median) |")
+    print("| settings | max-restarts | finished | worker-group failures (max per agent, per trial) | steps lost (median) | s kill -> next step (median) |")
     print("|---|---|---|---|---|---|")
     for name, mr in plan:
         rs = [r for r in results if r["settings"] == name and r["max_restarts"] == mr]
         ok = [r for r in rs if r["finished"]]
         med = (lambda k: statistics.median([r[k] for r in ok if r[k] is not None]) if ok else None)
         print(f"| {conf_label(name)} | {mr} | {len(ok)}/{len(rs)} | "
-              f"{[r['restarts_used'] for r in rs]} | {med('steps_lost')} | {med('s_kill_to_next_step')} |")
+              f"{[max(r['worker_group_failures_per_agent'] or [0]) for r in rs]} | {med('steps_lost')} | {med('s_kill_to_next_step')} |")
+    write(a, results)
+
+
+def write(a, results) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"command": " ".join(sys.argv), "results": results}, f, indent=1)
+        json.dump({"command": "PYTHONPATH=src python " + " ".join(sys.argv), "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

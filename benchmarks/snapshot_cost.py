@@ -4,10 +4,10 @@ per node, and the step time with and without snapshots, side by side with torch 
 
     PYTHONPATH=src python benchmarks/snapshot_cost.py --world 2 --out docs/data/snapshot_cost_w2.json
 
-W processes on this machine, each its own "node" (``GROUP_RANK`` = rank, so every rank's
+W processes on this machine (each leg's model on its own process group), each its own "node" (``GROUP_RANK`` = rank, so every rank's
 peer copy goes to another rank, as across nodes), gloo, one thread each. Two models: a small
 dense Llama (dim 128, 4 layers, the demo's) and the MoE (dim 128, 4 layers, 8 experts of
-hidden 128, top 2). Per round and model, four legs of ``--steps`` steps each, their order
+hidden 128 as 3-D weights, top 2). Per round and model, four legs of ``--steps`` steps each, their order
 rotating from round to round: ragged_fsdp without snapshots, ragged_fsdp with
 ``Snapshots(every=1)`` into ``/dev/shm`` (one directory per rank), FSDP2 without saves, FSDP2
 with ``dcp.save`` every step into one directory under ``/dev/shm``. A step's time is from
@@ -49,7 +49,8 @@ def du(path: str) -> int:
 
 def build(kind: str, leg: str, W: int):
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     from ragged_fsdp.models import Llama, LlamaConfig, MoE, MoEConfig
 
@@ -58,12 +59,19 @@ def build(kind: str, leg: str, W: int):
         model = Llama(LlamaConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128))
     else:
         model = MoE(MoEConfig(vocab_size=256, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=128,
-                              n_experts=8, top_k=2, expert_hidden=128))
+                              n_experts=8, top_k=2, expert_hidden=128,
+                              # 3-D expert weights: every expert has a gradient on every rank. With one
+                              # module per expert, an expert no token of a rank reached has none there,
+                              # FSDP2 leaves it out of that rank's reduce-scatter and the ranks' message
+                              # sizes differ (gloo: "Received data size doesn't match expected size")
+                              fused_experts=True))
     if leg.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
     else:
         from ragged_fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (W,))
+    # a process group per leg: no leg's collectives (an engine's prefetch, a snapshot's
+    # agreement on the default group) can pair with another leg's
+    mesh = DeviceMesh.from_group(dist.new_group(list(range(W))), "cpu")
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)

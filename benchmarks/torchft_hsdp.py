@@ -2,7 +2,7 @@
 replicate dim, one replica group losing a rank and coming back (printed and written to JSON,
 not asserted: torchft's behaviour, recorded in docs/surviving-failures.md).
 
-    .venv-ft/bin/python benchmarks/torchft_hsdp.py --out docs/data/torchft_hsdp.json
+    PYTHONPATH=src .venv-ft/bin/python benchmarks/torchft_hsdp.py --out docs/data/torchft_hsdp_local.json
 
 (``.venv-ft``: the shared venv plus ``pip install torchft==0.2.0``; torchft 0.2.0 accepts
 torch 2.13.0.) The launcher starts a torchft ``LighthouseServer`` and R replica groups of S
@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,10 +155,14 @@ def worker(a) -> None:
 
     log = open(a.log, "a")
     t_start = time.time()
+    log.write(json.dumps({"event": "ready", "group": g, "rank": rank, "gen": a.generation, "t": t_start}) + "\n")
+    log.flush()
+    stop_file = a.log + ".stop"
     while True:
         opt.zero_grad()  # torchft: starts the quorum (and heals here when this group is behind)
         step = manager.current_step()
-        if step >= a.steps:
+        stop_at = int(open(stop_file).read()) if os.path.exists(stop_file) else a.steps
+        if step >= min(a.steps, stop_at):
             break
         if g == a.groups - 1 and rank == S - 1 and step == a.kill_step and a.generation == 0:
             log.write(json.dumps({"event": "kill", "group": g, "rank": rank, "step": step, "t": time.time()}) + "\n")
@@ -192,7 +197,8 @@ def launch_group(a, g, generation, lighthouse, log):
                "--lighthouse", lighthouse, "--log", log, "--groups", str(a.groups), "--shard", str(a.shard),
                "--steps", str(a.steps), "--kill-step", str(a.kill_step), "--timeout", str(a.timeout),
                "--pace", str(a.pace), "--state", a.state]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=open(f"{log}.g{g}r{r}.out", "a"), stderr=subprocess.STDOUT))
+        out = os.path.join(a.logs, f"g{g}r{r}-gen{generation}.out")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(out, "w"), stderr=subprocess.STDOUT))
     return procs
 
 
@@ -205,7 +211,9 @@ def main() -> None:
     p.add_argument("--log", default="")
     p.add_argument("--groups", type=int, default=2, help="replica groups (R)")
     p.add_argument("--shard", type=int, default=2, help="ranks per replica group (S)")
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--steps", type=int, default=2000, help="at most this many steps")
+    p.add_argument("--together", type=int, default=10,
+                   help="stop once the healed group has taken this many steps with the others")
     p.add_argument("--kill-step", type=int, default=8)
     p.add_argument("--down", type=float, default=5.0, help="seconds the lost group stays down")
     p.add_argument("--timeout", type=float, default=10.0, help="collective / quorum timeout, seconds")
@@ -222,7 +230,10 @@ def main() -> None:
 
     lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     log = os.path.splitext(a.out)[0] + ".jsonl"
-    for f in [log] + [f"{log}.g{g}r{r}.out" for g in range(a.groups) for r in range(a.shard)]:
+    a.logs = os.path.splitext(a.out)[0] + "_logs"
+    shutil.rmtree(a.logs, ignore_errors=True)
+    os.makedirs(a.logs)
+    for f in (log, log + ".stop"):
         if os.path.exists(f):
             os.remove(f)
     t0 = time.time()
@@ -240,6 +251,14 @@ def main() -> None:
                 f.write(json.dumps({"event": "group_exited", "group": lost, "t": down_at}) + "\n")
                 f.write(json.dumps({"event": "relaunch", "group": lost, "t": relaunched_at}) + "\n")
             groups[lost] = launch_group(a, lost, 1, lh.address(), log)
+        if relaunched_at is not None and not os.path.exists(log + ".stop"):
+            # once the healed group has stepped with the others a while, every group stops at
+            # one step a few ahead (the steps are the quorum's, the same in every group)
+            rows = [json.loads(x) for x in open(log)]
+            back = [r for r in rows if r.get("gen") == 1 and r.get("committed") and r.get("participants") == a.groups]
+            if len({r["step"] for r in back}) >= a.together:
+                with open(log + ".stop", "w") as f:
+                    f.write(str(max(r["step"] for r in rows if "step" in r) + 3))
         if relaunched_at is not None and all(q.poll() is not None for qs in groups.values() for q in qs):
             break
     for qs in groups.values():
@@ -247,6 +266,8 @@ def main() -> None:
             if q.poll() is None:
                 q.kill()
     lh.shutdown()
+    if os.path.exists(log + ".stop"):
+        os.remove(log + ".stop")
     report(a, log)
 
 
@@ -266,6 +287,7 @@ def report(a, log) -> None:
     after_kill = [r for r in live if r["t"] > kill["t"]]
     first_commit = min((r["t"] for r in after_kill if r["committed"] and r["participants"] < a.groups), default=None)
     back = [r for r in steps if r["group"] == a.groups - 1 and r["gen"] == 1]
+    ready = [r["t"] for r in rows if r.get("event") == "ready" and r["gen"] == 1]
     # the healed group's shard digests against the live group's, at each step both committed
     by = {}
     for r in steps:
@@ -284,6 +306,9 @@ def report(a, log) -> None:
         "uncommitted_steps_live_groups": sorted({r["step"] for r in live if not r["committed"]}),
         "healed_group_first_step": min((r["step"] for r in back), default=None),
         "s_relaunch_to_healed_step": None if not back or relaunch is None else round(min(r["t"] for r in back) - relaunch["t"], 2),
+        # the part of that spent importing torch and building the model (slow on a loaded machine)
+        "s_relaunch_to_ready": None if not ready or relaunch is None else round(max(ready) - relaunch["t"], 2),
+        "s_ready_to_healed_step": None if not back or not ready else round(min(r["t"] for r in back) - max(ready), 2),
         "max_participants_after_heal": max((r["participants"] for r in back), default=None),
         "digests_compared": len(compared), "digests_equal": equal,
         "final_step": max((r["step"] for r in steps), default=None),
