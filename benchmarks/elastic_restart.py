@@ -159,6 +159,7 @@ def trial(a, conf_name, max_restarts, index) -> dict:
             kill_node(agents[3].pid)
             t_kill = time.time()
             shutil.rmtree(os.path.join(work, "node3"), ignore_errors=True)  # its memory goes with it
+            log_line(log, event="kill", node=3)
             deadline = t_kill + a.deadline
         if all(q.poll() is not None for q in (agents[:3] if t_kill else agents)):
             break
@@ -168,8 +169,10 @@ def trial(a, conf_name, max_restarts, index) -> dict:
             q.wait()
     rows = read(log)
     before = [r for r in rows if r.get("event") == "step" and t_kill and r["t"] <= t_kill]
-    after = [r for r in rows if r.get("event") == "step" and t_kill and r["t"] > t_kill and r["restart"] > 0]
-    starts = [r for r in rows if r.get("event") == "start" and r["restart"] > 0]
+    # after the kill: the world shrank (an agent restarted for a membership change keeps its
+    # TORCHELASTIC_RESTART_COUNT, so the count does not tell)
+    after = [r for r in rows if r.get("event") == "step" and t_kill and r["t"] > t_kill and r["W"] < 4]
+    starts = [r for r in rows if r.get("event") == "start" and t_kill and r["t"] > t_kill]
     last_before = max((r["step"] for r in before if r["W"] == 4), default=None)
     resumed = min((r["resumed_at"] for r in starts), default=None)
     finished = any(r.get("step") == a.steps - 1 for r in after)
@@ -317,7 +320,7 @@ def main() -> None:
     for name, mr in plan:
         rs = [r for r in results if r["settings"] == name and r["max_restarts"] == mr]
         ok = [r for r in rs if r["finished"]]
-        med = (lambda k: statistics.median([r[k] for r in ok if r[k] is not None]) if ok else None)
+        med = (lambda k: round(statistics.median([r[k] for r in ok if r[k] is not None]), 1) if ok else None)
         print(f"| {conf_label(name)} | {mr} | {len(ok)}/{len(rs)} | "
               f"{[max(r['worker_group_failures_per_agent'] or [0]) for r in rs]} | {med('steps_lost')} | {med('s_kill_to_next_step')} |")
     write(a, results)

@@ -101,7 +101,11 @@ def worker(a) -> None:
 
     torch.set_num_threads(1)
     g, rank, S = a.group, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
+    # the group's store waits long for its ranks (importing torch on a loaded machine takes a
+    # while); the collectives keep the short timeout, so a lost peer fails them fast
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), S, is_master=rank == 0,
+                          timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=S, timeout=timedelta(seconds=a.timeout))
     mesh = init_device_mesh("cpu", (S,))
     torch.manual_seed(0)
     model = Llama(LlamaConfig.tiny())
@@ -296,7 +300,7 @@ def report(a, log) -> None:
     compared = [(k, v) for k, v in by.items() if (a.groups - 1, 1) in v and (0, 0) in v]
     equal = sum(v[(a.groups - 1, 1)] == v[(0, 0)] for _, v in compared)
     out = {
-        "command": " ".join(sys.argv),
+        "command": "PYTHONPATH=src .venv-ft/bin/python " + " ".join(sys.argv),
         "groups": a.groups, "shard": a.shard, "steps": a.steps, "kill_step": a.kill_step, "down_s": a.down,
         "timeout_s": a.timeout,
         "state": a.state,
