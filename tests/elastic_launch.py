@@ -21,7 +21,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "elastic_snapshot_train.py")
 SRC = os.path.join(os.path.dirname(HERE), "src")
-RDZV_CONF = "is_host=false,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120,last_call_timeout=5"
+RDZV_CONF = ("is_host=false,keep_alive_interval=2,keep_alive_max_attempt=5,join_timeout=300,last_call_timeout=5,"
+             "read_timeout=300")
 MAX_RESTARTS = 10
 
 
@@ -47,20 +48,30 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.join(out, "nodes"))
     port = _free_port()
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OUT=out, STEPS=str(steps), DIE=die, WAIT_AT=wait_at, PYTHONPATH=SRC + os.pathsep + HERE,
-               OMP_NUM_THREADS="1", PG_TIMEOUT="60", LOGLEVEL="INFO")
+    env = dict(os.environ, OUT=out, STEPS=str(steps), DIE=die, WAIT_AT=f"0:{nodes};{wait_at}", PYTHONPATH=SRC + os.pathsep + HERE,
+               OMP_NUM_THREADS="1", PG_TIMEOUT="60", LOGLEVEL="INFO",
+               # torchrun's default shares the first round's rank-0 agent store with the workers of
+               # every later round: a dead rank-0 node leaves them a dead store, and the old
+               # rounds' gloo keys (no per-round prefix) point the new group at dead workers
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     env.pop("TORCHELASTIC_RUN_ID", None)
     if fallback:
         env["FALLBACK"] = os.path.join(out, "dcp")
-    agents = {f"n{i}": _agent(port, f"n{i}", out, env) for i in range(nodes)}
     t0, grown = time.time(), False
+    agents = {f"n{i}": _agent(port, f"n{i}", out, env) for i in range(nodes)}
+    # the store opens once every agent has imported torch (seconds apart on a loaded machine),
+    # so the first round has all of them: agents wait for it to appear (read_timeout)
+    while time.time() - t0 < 120 and not all(
+            "Starting elastic_operator" in open(os.path.join(out, f"agent-{n}.log")).read() for n in agents):
+        time.sleep(0.2)
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     events = os.path.join(out, "events.txt")
     try:
         while any(a.poll() is None for a in agents.values()):
             if time.time() - t0 > timeout_s:
                 raise TimeoutError(f"scenario in {out} did not finish in {timeout_s} s")
-            if grow and not grown and os.path.exists(events) and "waiting" in open(events).read():
+            if grow and not grown and os.path.exists(events) and any(
+                    ln.startswith("waiting") and not ln.endswith("step=0") for ln in open(events).read().splitlines()):
                 for i in range(grow):
                     agents[f"g{i}"] = _agent(port, f"g{i}", out, env)
                 grown = True
@@ -76,6 +87,9 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
             s, w, loss, norm = line.split()
             log.setdefault(int(s), []).append((int(w), loss, norm))
     final = os.path.join(out, "final.pt")
-    return {"log": log, "events": open(events).read().splitlines() if os.path.exists(events) else [],
+    killed = sorted(open(os.path.join(out, n)).read() for n in os.listdir(out) if n.startswith("died-"))
+    logs = "".join(open(os.path.join(out, n), errors="replace").read() for n in sorted(os.listdir(out))
+                   if n.startswith("agent-"))
+    return {"killed_nodes": killed, "agent_logs": logs, "log": log, "events": open(events).read().splitlines() if os.path.exists(events) else [],
             "codes": {n: a.returncode for n, a in agents.items()}, "seconds": time.time() - t0,
             "final": torch.load(final) if os.path.exists(final) else None}

@@ -4,9 +4,10 @@ node-local directory ``SNAP_DIR``, and a test-only hook that kills this node whe
 
 Environment (set per agent by the test): ``SNAP_DIR`` (this node's directory), ``OUT`` (where
 rank 0 logs; the test reads it, the library never sees it), ``STEPS``, ``NODE`` (the agent's
-name), ``DIE`` (``node:where:step;...``, ``where`` in after / backward / optimizer / snapshot:
-the node dies there once, its directory deleted with it), ``WAIT_AT`` (``step:W``: at that
-step, a run with fewer than W ranks waits for nodes to join), ``FALLBACK`` (a DCP root for the
+name), ``DIE`` (``node:where:step;...``, ``node`` an agent's name or ``r<rank>``, ``where`` in after / backward / optimizer / snapshot:
+the node dies there once, its directory deleted with it), ``WAIT_AT`` (``step:W;...``: at that
+step, a run with fewer than W ranks waits for nodes to join; the test always waits for 4 at
+step 0, as agents start at different times), ``FALLBACK`` (a DCP root for the
 double loss; a checkpoint every 2 steps).
 """
 
@@ -28,12 +29,14 @@ V, SEED, DROPOUT = 12, 1234, 0.1
 def _die(where: str, step: int) -> None:
     for spec in filter(None, os.environ.get("DIE", "").split(";")):
         node, w, s = spec.split(":")
-        if node != os.environ["NODE"] or w != where or int(s) != step:
+        me = f"r{dist.get_rank()}" if node.startswith("r") else os.environ["NODE"]  # a rank, or an agent
+        if node != me or w != where or int(s) != step:
             continue
         mark = os.path.join(os.environ["OUT"], f"died-{node}-{w}-{s}")
         if os.path.exists(mark):
             continue
-        open(mark, "w").close()
+        with open(mark, "w") as f:
+            f.write(os.environ["NODE"])
         shutil.rmtree(os.environ["SNAP_DIR"], ignore_errors=True)  # the node's memory goes with it
         os.kill(os.getppid(), signal.SIGKILL)  # the agent
         os.kill(os.getpid(), signal.SIGKILL)
@@ -79,9 +82,9 @@ def main() -> None:
     opt.register_step_post_hook(lambda o, a, k: _die("optimizer", state["step"]))
     send = snapshots_module.send_files
 
-    def send_files(plan):  # inside a snapshot: this node's part is written, the copies are not
+    def send_files(*args, **kwargs):  # inside a snapshot: this node's part is written, the copies are not
         _die("snapshot", state["step"])
-        send(plan)
+        send(*args, **kwargs)
 
     snapshots_module.send_files = send_files
     snaps = Snapshots(model, opt, dir=os.environ["SNAP_DIR"], run="elastic-test", fallback=os.environ.get("FALLBACK"))
@@ -89,10 +92,10 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out, "events.txt"), "a") as f:
             f.write(f"start W={world} at={start} extra={snaps.extra} from={snaps.restored_from}\n")
-    wait = os.environ.get("WAIT_AT")
+    waits = dict(tuple(map(int, w.split(":"))) for w in filter(None, os.environ.get("WAIT_AT", "").split(";")))
     for step in range(start, steps):
         state["step"] = step
-        if wait and step == int(wait.split(":")[0]) and world < int(wait.split(":")[1]):
+        if world < waits.get(step, 0):
             if rank == 0:
                 with open(os.path.join(out, "events.txt"), "a") as f:
                     f.write(f"waiting W={world} step={step}\n")

@@ -8,8 +8,8 @@ are ordered by their lowest rank, and the ``i``-th rank of node ``n`` sends its 
 ``i``-th rank (mod its size) of node ``n + 1`` (mod the node count): every node's parts are
 on the next node, so the loss of any one node loses no part.
 
-Transfer. Each file travels as a ``uint8`` tensor by point-to-point ``isend``/``irecv`` on the
-default group (gloo on CPU; on NCCL a host group would be needed, see the docs): first the
+Transfer. Each file travels as a ``uint8`` tensor by point-to-point ``isend``/``irecv`` on a gloo
+group (the default group on CPU; ``Snapshots`` makes a gloo group over the same ranks on NCCL): first the
 sizes, then the bytes, every message posted before any is waited on, so the order of the
 pairs cannot deadlock.
 """
@@ -53,10 +53,11 @@ def peer_of(keys: list[str]) -> list[int | None]:
     return out
 
 
-def send_files(plan: list[tuple[int, int, str, str]]) -> None:
+def send_files(plan: list[tuple[int, int, str, str]], group=None) -> None:
     """Carry out ``plan``: entries ``(src rank, dst rank, src path, dst path)``, the same list
     on every rank. Each rank reads what it sends and writes what it receives (atomically: a
-    file is either whole or absent). Raises on any failed message."""
+    file is either whole or absent). Ranks are global ranks; ``group`` a CPU-capable (gloo)
+    group over every rank, or None for the default group. Raises on any failed message."""
     from .snapshot_store import write_atomic
 
     me = dist.get_rank()
@@ -68,20 +69,20 @@ def send_files(plan: list[tuple[int, int, str, str]]) -> None:
         if src == me:
             with open(sp, "rb") as f:
                 blobs[i] = f.read()
-            works.append(dist.isend(torch.tensor([len(blobs[i])], dtype=torch.int64), dst, tag=2 * i))
+            works.append(dist.isend(torch.tensor([len(blobs[i])], dtype=torch.int64), dst, group=group, tag=2 * i))
         else:
             sizes[i] = torch.zeros(1, dtype=torch.int64)
-            works.append(dist.irecv(sizes[i], src, tag=2 * i))
+            works.append(dist.irecv(sizes[i], src, group=group, tag=2 * i))
     for w in works:
         w.wait()
     works, bufs = [], {}
     for i, (src, dst, _, _) in mine:
         if src == me:
             data = torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) if blobs[i] else torch.zeros(0, dtype=torch.uint8)
-            works.append(dist.isend(data, dst, tag=2 * i + 1))
+            works.append(dist.isend(data, dst, group=group, tag=2 * i + 1))
         else:
             bufs[i] = torch.empty(int(sizes[i]), dtype=torch.uint8)
-            works.append(dist.irecv(bufs[i], src, tag=2 * i + 1))
+            works.append(dist.irecv(bufs[i], src, group=group, tag=2 * i + 1))
     for w in works:
         w.wait()
     for i, buf in bufs.items():

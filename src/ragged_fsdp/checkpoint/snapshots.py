@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 import zlib
 from collections.abc import Iterable
@@ -156,7 +157,10 @@ class Snapshots:
         self.restored_from: int | None = None
         self.last_committed: int | None = None
         self.run = self._fingerprint(run_id)
-        agree("Snapshots(every=...)", every)
+        # the host group: these exchanges carry host bytes and objects (NCCL takes device
+        # tensors only, so on NCCL a gloo group over the same ranks)
+        self.group = dist.new_group(backend="gloo") if "nccl" in str(dist.get_backend()) else None
+        agree("Snapshots(every=...)", every, group=self.group)
 
     # -- what a snapshot holds ----------------------------------------------------------------
     def _fingerprint(self, run_id: str) -> int:
@@ -181,15 +185,13 @@ class Snapshots:
         if step % self.every:
             return False
         rank, world = dist.get_rank(), dist.get_world_size()
-        err = _at_step_boundary(self.model)
-        try:
-            _rm(snap_dir(self.dir, step))  # a torn attempt at this step (from before a restore)
-        except OSError as e:
-            err = err or f"Snapshots.snapshot: cannot clear {snap_dir(self.dir, step)}: {e}"
+        why = _at_step_boundary(self.model)
+        err = SnapshotError(why) if why else None
+        _rm(snap_dir(self.dir, step))  # a torn attempt at this step (from before a restore)
         d = _digest(extra)
-        keys = agree("Snapshots.snapshot", node_key(), error=err, same=False)
+        keys = agree("Snapshots.snapshot", node_key(), error=err, same=False, group=self.group)
         snap_id, hi, neg = agree_flags([(int.from_bytes(os.urandom(8), "little") & _MASK62) | 1 if rank == 0 else 0,
-                                        d, -d])
+                                        d, -d], self.group)
         if hi != -neg:
             raise SnapshotError("Snapshots.snapshot: extra differs between ranks; pass the same value on every "
                                 "rank (a global data position, not a per-rank one); nothing was saved")
@@ -203,7 +205,7 @@ class Snapshots:
             write_atomic(info_path(self.dir, step, rank), buf.getvalue())
         except Exception as e:
             err = e
-        raise_everywhere("Snapshots.snapshot", err)
+        raise_everywhere("Snapshots.snapshot", err, self.group)
         peers = peer_of(keys)
         plan = []
         for src, dst in enumerate(peers):
@@ -213,10 +215,10 @@ class Snapshots:
                                  os.path.join(copy_dir(self.dir, step), name)))
         err = None
         try:
-            send_files(plan)
+            send_files(plan, self.group)
         except Exception as e:
             err = e
-        raise_everywhere("Snapshots.snapshot (peer copy)", err)
+        raise_everywhere("Snapshots.snapshot (peer copy)", err, self.group)
         mark_committed(self.dir, step, rank)
         # every rank reached this snapshot's collectives, so the previous one is committed on
         # every rank: keep it (until this one is marked everywhere) and this one
@@ -234,7 +236,7 @@ class Snapshots:
         for s in report["steps"].values():
             if s["info"] is not None:
                 s["info"] = {k: s["info"][k] for k in ("run", "id", "world", "step")}
-        reports = agree("Snapshots.restore", report, same=False)
+        reports = agree("Snapshots.restore", report, same=False, group=self.group)
         try:
             chosen = choose_snapshot(reports, self.run)
         except SnapshotLostError as e:
@@ -276,17 +278,26 @@ class Snapshots:
             kind = "own" if reports[holders[r]]["steps"][step]["own"].get(r) == world else "copy"
             return os.path.join((own_dir if kind == "own" else copy_dir)(reports[holders[r]]["dir"], step), name)
 
-        # every rank needs every .meta (a few numbers per tensor); .pt files are fetched whole
-        wanted = [(r, n) for r in range(world) for n in part_names(r, world)]
-        needs = agree("Snapshots.restore (parts)", [(r, n) for r, n in wanted if local(r, n) is None], same=False)
-        plan = [(holders[r], dst, where(r, n), os.path.join(staging_dir(reports[dst]["dir"], dst), n))
-                for dst, rows in enumerate(needs) for r, n in rows]
-        for r, n in wanted:
-            src = local(r, n)
-            if src is not None:
-                os.symlink(src, os.path.join(stage, n))
-        send_files(plan)
+        def fetch(wanted, what: str) -> None:
+            err, missing = None, []
+            try:  # a local failure travels in the agreement: no rank is left waiting in a collective
+                for r, n in wanted():
+                    src = local(r, n)
+                    if src is None:
+                        missing.append((r, n))
+                    else:
+                        os.symlink(src, os.path.join(stage, n))
+            except Exception as e:
+                err = e
+            needs = agree(f"Snapshots.restore ({what})", missing, error=err, same=False, group=self.group)
+            send_files([(holders[r], dst, where(r, n), os.path.join(staging_dir(reports[dst]["dir"], dst), n))
+                        for dst, rows in enumerate(needs) for r, n in rows], self.group)
+
+        # every rank reads every .meta (a few numbers per tensor), then only the parts whose
+        # pieces overlap what it holds at W'
+        fetch(lambda: [(r, part_names(r, world)[1]) for r in range(world)], "metadata")
         state = self._state()
+        fetch(lambda: [(r, part_names(r, world)[0]) for r in sorted(_needed_parts(state, stage, world))], "parts")
         try:
             load_local(state, stage)
         except LocalCheckpointError as e:
@@ -298,10 +309,10 @@ class Snapshots:
         info = torch.load(info_path(self.dir, step, rank), weights_only=False) if os.path.exists(
             info_path(self.dir, step, rank)) else None
         # the extra of the snapshot: from the lowest rank that has an info file
-        (have,) = agree_flags([dist.get_world_size() - rank if info is not None else 0])
+        (have,) = agree_flags([dist.get_world_size() - rank if info is not None else 0], self.group)
         src = dist.get_world_size() - have
         box = [info["extra"] if info is not None and rank == src else None]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=self.group)
         self.extra = box[0]
         if world == dist.get_world_size() and info is not None and info["world"] == world:
             torch.set_rng_state(info["rng"])  # same W: each rank's global RNG as its node saved it
@@ -315,25 +326,50 @@ class Snapshots:
 
         if self.fallback is None:
             raise ValueError("Snapshots.checkpoint: pass fallback=<root on shared storage> to Snapshots first")
-        save({"train": TrainState(self.model, self.optimizers), "snapshot": {"step": step, "extra": extra}},
+        # extra as pickled bytes: DCP would flatten a dict into keys the restoring side cannot name
+        save({"train": TrainState(self.model, self.optimizers), "snapshot": {"step": step, "extra": pickle.dumps(extra)}},
              self.fallback, step=step, keep_last=keep_last)
 
     def _fall_back(self, lost: SnapshotLostError | None) -> int:
         from .resume import load_latest
         from .train_state import TrainState
 
-        state = {"train": TrainState(self.model, self.optimizers), "snapshot": {"step": 0, "extra": None}}
-        found = load_latest(self.fallback, state, missing_ok=lost is None, strict=False)
+        state = {"train": TrainState(self.model, self.optimizers), "snapshot": {"step": 0, "extra": b""}}
+        found = load_latest(self.fallback, state, missing_ok=lost is None)
         if found is None:
             return 0
         step = int(state["snapshot"]["step"])
-        self.extra = state["snapshot"]["extra"]
+        self.extra = pickle.loads(state["snapshot"]["extra"])
         if lost is not None and dist.get_rank() == 0:
             warnings.warn(f"{first_line(lost)}. Fell back to the DCP checkpoint {found.path} (step {step}): steps "
                           f"{step} to {lost.step - 1} are lost and run again", CheckpointWarning, stacklevel=3)
         remove_steps(self.dir, set())
         self.restored_from = step
         return step
+
+
+def _needed_parts(state: dict, stage: str, world: int) -> set[int]:
+    """The saved ranks whose ``.pt`` ``load_local`` will read to fill this rank's ``state``:
+    part 0 (plain values are stored there), this rank's own at an unchanged ``W`` (values
+    stored per rank), and every part a RaggedShard value's pieces overlap."""
+    from torch.distributed.tensor import DTensor
+
+    from ._tree import flatten
+    from .local_layout import RunLayout
+    from .local_save import describe_local
+
+    entries = describe_local(stage)["entries"]
+    rank = dist.get_rank()
+    need = {0} | ({rank} if world == dist.get_world_size() else set())
+    flat, _ = flatten(state)
+    for key, value in flat.items():
+        e = entries.get(key)
+        if e is None or e["kind"] != "ragged" or not isinstance(value, DTensor):
+            continue
+        a, b = value._spec.placements[0].element_range(tuple(value.shape), value.device_mesh.get_local_rank(0))
+        layout = RunLayout(tuple(e["shape"]), tuple(e["dims"]), e["unit"], tuple(map(tuple, e["runs"])))
+        need.update(pc.rank for pc in layout.pieces(a, b))
+    return need
 
 
 def _rm(path: str) -> None:
