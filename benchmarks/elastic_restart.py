@@ -186,10 +186,32 @@ def trial(a, conf_name, max_restarts, index) -> dict:
         "resumed_at": resumed,
         "steps_lost": None if resumed is None or last_before is None else last_before + 1 - resumed,
         "s_kill_to_next_step": None if not after else round(min(r["t"] for r in after) - t_kill, 2),
+        # the job is back where it was: the first step it had not finished at the kill, done
+        "s_kill_to_caught_up": caught_up(after, last_before, t_kill),
         "s_kill_to_worker_start": None if not starts else round(min(r["t_proc"] for r in starts) - t_kill, 2),
         **agent_phases(work, t_kill),
         "work": work,
     }
+
+
+def caught_up(after, last_before, t_kill):
+    done = [r["t"] for r in after if last_before is not None and r["step"] == last_before + 1]
+    return None if not done or t_kill is None else round(min(done) - t_kill, 2)
+
+
+def recompute(path: str, logs: str) -> None:
+    """Add ``s_kill_to_caught_up`` to a results JSON from the kept step logs (the kill time
+    is the first step after it less ``s_kill_to_next_step``)."""
+    d = json.load(open(path))
+    for r in d["results"]:
+        if not r["finished"]:
+            continue
+        rows = read(os.path.join(logs, os.path.basename(r["work"]), "steps.jsonl"))
+        after = [x for x in rows if x.get("event") == "step" and x["W"] < 4]
+        t_kill = min(x["t"] for x in after) - r["s_kill_to_next_step"]
+        r["s_kill_to_caught_up"] = caught_up(after, r["last_step_before_kill"], t_kill)
+    with open(path, "w") as f:
+        json.dump(d, f, indent=1)
 
 
 def keep_logs(work: str, dest: str) -> None:
@@ -302,7 +324,11 @@ def main() -> None:
     if "ELASTIC_RESTART_TRAIN" in os.environ:
         train(argparse.Namespace(**json.loads(os.environ["ELASTIC_RESTART_TRAIN"])))
         return
+    p.add_argument("--recompute", default="", help="add the derived fields to this results JSON from --logs")
     a = p.parse_args()
+    if a.recompute:
+        recompute(a.recompute, a.logs)
+        return
     results = []
     plan = [(c.split(":")[0], int(c.split(":")[1])) for c in a.confs.split(",")]
     for i in range(a.trials):  # alternate the settings inside each round
