@@ -149,6 +149,7 @@ def worker(a) -> None:
                 "part_bytes_per_rank": [int(x) for x in parts],
                 "host_bytes_per_node": [int(x) for x in all_sizes],
                 "steps_per_leg": len(times["ragged"]),
+                "step_s": times,  # every step of every leg, in the order run (rank 0's clock)
             }
         dist.barrier()
     if rank == 0:
