@@ -36,6 +36,8 @@ import sys
 import time
 from datetime import timedelta
 
+from ragged_fsdp.bench.meta import run_meta
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -355,7 +357,8 @@ def main() -> None:
 def write(a, results) -> None:
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
-        json.dump({"command": "PYTHONPATH=src python " + " ".join(sys.argv), "results": results}, f, indent=1)
+        json.dump({"command": "PYTHONPATH=src python " + " ".join(sys.argv), "results": results,
+                   "meta": run_meta("PYTHONPATH=src python " + " ".join(sys.argv))}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ragged_fsdp.bench.meta import run_meta
 from ragged_fsdp.sim.mesh import parse_mesh
 from ragged_fsdp.sim.profiles import get_profile
 from ragged_fsdp.sim.simulate import Scenario, simulate
@@ -50,7 +51,7 @@ def main() -> None:
               f"{r['host_bytes_per_node'] / 2**30:.1f} |")
     with open(a.out, "w") as f:
         json.dump({"command": "PYTHONPATH=src python benchmarks/simulate_snapshot.py", "assumed": rows[0]["assumed"],
-                   "rows": rows}, f, indent=1)
+                   "rows": rows, "meta": run_meta("PYTHONPATH=src python benchmarks/simulate_snapshot.py")}, f, indent=1)
 
 
 if __name__ == "__main__":

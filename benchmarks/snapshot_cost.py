@@ -27,6 +27,8 @@ import sys
 import time
 from datetime import timedelta
 
+from ragged_fsdp.bench.meta import run_meta
+
 LEGS = ("ragged", "ragged+snapshot", "fsdp2", "fsdp2+dcp.save")
 
 
@@ -192,6 +194,7 @@ def main() -> None:
     os.remove(result)
     out["command"] = "PYTHONPATH=src python " + " ".join(sys.argv)
     out["rounds"], out["steps_per_leg_per_round"], out["batch"] = a.rounds, a.steps, a.batch
+    out["meta"] = run_meta(out["command"])
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     W = out["world"]

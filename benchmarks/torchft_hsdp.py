@@ -317,6 +317,9 @@ def report(a, log) -> None:
         "digests_compared": len(compared), "digests_equal": equal,
         "final_step": max((r["step"] for r in steps), default=None),
     }
+    from ragged_fsdp.bench.meta import run_meta
+
+    out["meta"] = run_meta(out["command"])
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
