@@ -54,8 +54,8 @@ def _full_state(model, opt):
     return out
 
 
-def _dirs(name):
-    return os.path.join(os.environ[ENV], name, f"node-{dist.get_rank()}")
+def _dirs(name, shift=0):
+    return os.path.join(os.environ[ENV], name, f"node-{(dist.get_rank() + shift) % dist.get_world_size()}")
 
 
 def _train(name, steps, **kw):
@@ -81,11 +81,14 @@ def _lose(name, *nodes):
     dist.barrier()
 
 
-def _restored(name, **kw):
+def _restored(name, shift=0, **kw):
+    """A restarted worker: fresh model, optimizer with no state; ``shift``: the restart gave
+    the node of rank ``r + shift`` the number ``r`` (torchrun numbers nodes anew each round)."""
     from ragged_fsdp.checkpoint import Snapshots
 
-    model, opt = _setup(dist.get_rank())  # a restarted worker: fresh model, optimizer with no state
-    snaps = Snapshots(model, opt, dir=_dirs(name), **kw)
+    model, opt = _setup(dist.get_rank())
+    os.environ["GROUP_RANK"] = str((dist.get_rank() + shift) % dist.get_world_size())
+    snaps = Snapshots(model, opt, dir=_dirs(name, shift), **kw)
     return model, opt, snaps, snaps.restore()
 
 
@@ -103,13 +106,14 @@ def _raises(fn, kind, *needles):
 
 
 def case_lost_node_restores_bitwise(rank, world):
-    """Node 2 lost with its directory: its part comes from node 3's copy; every rank's state
-    is the snapshot's, bitwise, and training goes on as if nothing happened."""
+    """Node 2 lost with its directory (a new node in its place), the ranks renumbered: its part
+    comes from node 3's copy; every rank's state is the snapshot's, bitwise, and training goes
+    on as if nothing happened."""
     model, opt, _, states = _train("lost", 3)
     _step(model, opt, 3)
     after = _full_state(model, opt)
     _lose("lost", 2)
-    model, opt, snaps, step = _restored("lost")
+    model, opt, snaps, step = _restored("lost", shift=1)
     assert step == 3 and snaps.extra == {"data": 3} and snaps.restored_from == 3
     _equal(_full_state(model, opt), states[3])
     _step(model, opt, 3)

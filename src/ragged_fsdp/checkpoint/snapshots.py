@@ -306,16 +306,23 @@ class Snapshots:
                                     f"the W = {world} it was saved at, so it restores only at that W") from e
             raise
         set_state_dict(self.model, self.optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        info = torch.load(info_path(self.dir, step, rank), weights_only=False) if os.path.exists(
-            info_path(self.dir, step, rank)) else None
-        # the extra of the snapshot: from the lowest rank that has an info file
-        (have,) = agree_flags([dist.get_world_size() - rank if info is not None else 0], self.group)
+        # ranks are numbered anew after a restart: any info file of this node carries the step's
+        # extra (equal on every rank); the global RNG only from the file of this rank's number
+        mine = scan(self.dir).get(step, {}).get("info")
+        own = info_path(self.dir, step, rank)
+        rng = torch.load(own, weights_only=False)["rng"] if world == dist.get_world_size() and os.path.exists(own) else None
+        # the extra: from the lowest rank whose node holds an info file of the step (the node
+        # that kept a commit marker does, so some rank has one)
+        (have,) = agree_flags([dist.get_world_size() - rank if mine is not None else 0], self.group)
+        if have == 0:
+            raise SnapshotError(f"Snapshots.restore: no surviving node holds the info file of step {step}; the "
+                                "snapshot directories were changed by hand")
         src = dist.get_world_size() - have
-        box = [info["extra"] if info is not None and rank == src else None]
+        box = [mine["extra"] if rank == src else None]
         dist.broadcast_object_list(box, src=src, group=self.group)
         self.extra = box[0]
-        if world == dist.get_world_size() and info is not None and info["world"] == world:
-            torch.set_rng_state(info["rng"])  # same W: each rank's global RNG as its node saved it
+        if rng is not None:
+            torch.set_rng_state(rng)  # same W: the global RNG of the rank that had this number
 
     # -- the fallback ---------------------------------------------------------------------------
     def checkpoint(self, step: int, extra: Any = None, keep_last: int | None = 2) -> None:
