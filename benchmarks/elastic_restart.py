@@ -300,6 +300,9 @@ CONFS = {
     "fast_noshare": (FAST, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
     # and the last call for late nodes cut from 30 s to 5 s (the survivors join within it)
     "fast_lc5_noshare": (FAST + ",last_call_timeout=5", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
+    # the recipe's settings (docs/surviving-failures.md): a keep-alive that tolerates a stalled host
+    "recipe": ("keep_alive_interval=2,keep_alive_max_attempt=5,last_call_timeout=5",
+               {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}),
 }
 
 
