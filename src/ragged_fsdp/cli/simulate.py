@@ -34,6 +34,7 @@ from ..sim.profiles import PROFILES, UNCALIBRATED, get_profile, profile_sources
 from ..sim.host import format_host
 from ..sim.report import ASSUMPTIONS, format_sweep, format_table, plot_sweep, sweep
 from ..sim.simulate import FRAMEWORKS, Scenario, simulate, simulate_auto
+from ..sim.snapshot import format_snapshot, snapshot_cost
 
 _OVERRIDES = [  # flag, profile field, scale, help (ranges: profiles.validate_profile)
     ("--gpu-hbm-gb", "hbm_bytes", 1e9, "device memory, GB"),
@@ -115,6 +116,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--granularity", default="auto",
                    help="ragged_fsdp's block rule (element, row, rows:K, block:N, tensor, matrix); "
                         "auto follows the optimizer")
+    p.add_argument("--snapshot-every", type=int, default=None, metavar="K",
+                   help="price a peer-memory snapshot every K steps (bytes per rank, copy and send time "
+                        "against the step; docs/surviving-failures.md)")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list of " + ", ".join(FRAMEWORKS))
     p.add_argument("--sweep", default=None, help="gpus=LO..HI: weak and strong scaling tables (powers of two)")
     p.add_argument("--plot", default=None, help="with --sweep: write the scaling plot (PNG) here")
@@ -179,6 +183,9 @@ def run(args) -> int:
         mesh = parse_mesh(args.mesh, args.gpus) if not args.sweep or args.mesh is None or "dp=" not in args.mesh \
             else parse_mesh(_sweep_mesh(args.mesh, args.gpus), args.gpus)
         gran = None if args.granularity == "element" else args.granularity
+        if args.snapshot_every is not None and (args.snapshot_every < 1 or args.sweep):
+            raise ValueError(f"--snapshot-every {args.snapshot_every}: must be >= 1 steps, and is priced for one "
+                             "--gpus at a time (not with --sweep)")
         if args.eager_loss and not args.compile:
             raise ValueError("--eager-loss only applies with --compile (without it the loss is eager already)")
         recipe = Recipe(compile=args.compile, compile_loss=False if args.eager_loss else None, float8=args.float8, float8_allgather=args.float8_allgather, mxfp8_allgather=args.mxfp8_allgather,
@@ -230,6 +237,8 @@ def run(args) -> int:
     except ValueError as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
+    snaps = {r.framework: snapshot_cost(r, prof, args.snapshot_every) for r in results if r.framework == "ragged"} \
+        if args.snapshot_every else {}
     if args.json:
         print(json.dumps({"scenario": {"model": args.model, "gpus": args.gpus, "profile": prof.to_json(),
                                        "profile_sources": profile_sources(prof),
@@ -237,6 +246,7 @@ def run(args) -> int:
                                        "micro_batch": args.micro_batch, "act_ckpt": args.act_ckpt,
                                        "recipe": recipe.__dict__},
                           "results": [r.to_json() for r in results], "auto": why,
+                          **({"snapshot": snaps} if snaps else {}),
                           "assumptions": ASSUMPTIONS}, indent=1, default=str))
         return 0
     print(format_table(results, f"{args.model} on {args.gpus:,} x {prof.name} ({args.optimizer}, {args.dtype}, "
@@ -272,6 +282,9 @@ def run(args) -> int:
             print("tokens/s/GPU with its band: " + "; ".join(
                 f"{r.framework} {r.tokens_per_s_per_gpu:,.0f} ({r.tokens_per_s_per_gpu * b['low']:,.0f} .. "
                 f"{r.tokens_per_s_per_gpu * b['high']:,.0f})" for r in results))
+    if snaps:
+        print()
+        print(format_snapshot(snaps))
     print()
     print(format_host({r.framework: {**r.host["startup"], **{k: v for k, v in r.host["checkpoint"].items()
                                                              if k != "startup_cpu_s"}} for r in results}))
