@@ -423,7 +423,8 @@ def case_compositions(rank, world):
             _check_against_torchao(seen, masters)
             assert {p for _, p in seen.planes()} == {"rows", "cols"}, (what, kw)
     if world == 4:
-        _expert_parallel_planes()
+        _expert_parallel_planes(MXFP8)
+        _expert_parallel_planes(NVFP4)
     mesh = cpu_mesh(world)
     with pytest.raises(ValueError, match=r"MXFP8.*quantises '.*' .*32x32 tiles.*granularity_fn returned 'row'.*return 'rows:(32|40)'.*MXFP8\(param_filter"):
         _wrap(_build(), mesh, granularity_fn=lambda n, p: "row" if p.dim() >= 2 else None)
@@ -433,11 +434,15 @@ def case_compositions(rank, world):
         pol = MXFP8() if rank == 0 else BlockFP8(tile=(32, 32))
         with pytest.raises(DisagreementError, match=r"all_gather_quant differs across ranks.*MXFP8"):
             fully_shard(_build(), mesh=mesh, all_gather_quant=pol)
+        pol = MXFP8() if rank == 0 else NVFP4()
+        with pytest.raises(DisagreementError, match=r"all_gather_quant differs across ranks.*NVFP4"):
+            fully_shard(_build(), mesh=mesh, all_gather_quant=pol)
 
 
-def _expert_parallel_planes():
+def _expert_parallel_planes(fmt):
     """EP 2 x dp 2: each layer's EP-local experts (4 of 8, rows 40: whole expert matrices)
-    gather their planes over dp; the bits are torchao's of the EP-local master."""
+    gather their planes over dp; the bits are torchao's of the EP-local master (NVFP4: its
+    per-tensor scale that of the EP-local experts, agreed over dp)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from ragged_fsdp.models import MoE, MoEConfig, apply_expert_parallel
@@ -452,7 +457,7 @@ def _expert_parallel_planes():
     dp_ep = mesh["dp", "ep"]._flatten("dp_ep")
     for i, layer in enumerate(model.layers):
         fully_shard(layer.feed_forward.experts, mesh=mesh["dp"], reshard_after_forward=True,
-                    all_gather_quant=MXFP8(on_gathered=seen.at(f"layers.{i}.")))
+                    all_gather_quant=fmt(on_gathered=seen.at(f"layers.{i}.")))
         layer.feed_forward.experts.set_gradient_divide_factor(4)
         fully_shard(layer, mesh=dp_ep)
     fully_shard(model, mesh=dp_ep)
