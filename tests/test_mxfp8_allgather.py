@@ -423,6 +423,13 @@ def case_compositions(rank, world):
             _check_against_torchao(seen, masters)
             assert {p for _, p in seen.planes()} == {"rows", "cols"}, (what, kw)
     if world == 4:
+        # NVFP4 once, HSDP and offload together: per-tensor scales agreed over the shard dim
+        seen = Seen()
+        model = _wrap(_build(), meshes[1][1], seen, fmt=NVFP4,
+                      offload_policy=OffloadPolicy(params=True, grads=True, optimizer_states=True))
+        model.loss(t, y).backward()
+        _check_against_torchao(seen, masters)
+        assert {p for _, p in seen.planes()} == {"rows", "cols"}
         _expert_parallel_planes(MXFP8)
         _expert_parallel_planes(NVFP4)
     mesh = cpu_mesh(world)
