@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # for type checkers and the API reference (mkdocstrings reads
                        offload_to_host, register_fsdp_forward_method, sync_module_states)
     from .fsdp import abort_step, global_order
     from .placement import RaggedDTensor, RaggedShard, distribute_tensor, from_local, redistribute
-    from .quant import MXFP8, BlockFP8, GradientReduce
+    from .quant import MXFP8, NVFP4, BlockFP8, GradientReduce
 
 __version__ = "0.1.0"
 
@@ -26,14 +26,14 @@ _PUBLIC = {
     "load_to_device": ".fsdp", "check_same_init": ".fsdp", "sync_module_states": ".fsdp",
     "RaggedShard": ".placement", "RaggedDTensor": ".placement", "distribute_tensor": ".placement",
     "from_local": ".placement", "redistribute": ".placement",
-    "BlockFP8": ".quant", "MXFP8": ".quant", "GradientReduce": ".quant",
+    "BlockFP8": ".quant", "MXFP8": ".quant", "NVFP4": ".quant", "GradientReduce": ".quant",
     "global_order": ".fsdp", "abort_step": ".fsdp",
 }
 __all__ = [
     "fully_shard", "FSDPModule", "UnshardHandle", "register_fsdp_forward_method",
     "OffloadPolicy", "offload_to_host", "load_to_device", "check_same_init", "sync_module_states",
     "RaggedShard", "RaggedDTensor", "distribute_tensor", "from_local", "redistribute",
-    "BlockFP8", "MXFP8", "GradientReduce", "global_order", "abort_step", "__version__",
+    "BlockFP8", "MXFP8", "NVFP4", "GradientReduce", "global_order", "abort_step", "__version__",
 ]
 
 

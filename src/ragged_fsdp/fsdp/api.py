@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from ragged_fsdp.agreement import agree
-from ragged_fsdp.quant import MXFP8, BlockFP8
+from ragged_fsdp.quant import MXFP8, NVFP4, BlockFP8
 
 from ..device import device_for
 from .core.init import (
@@ -81,7 +81,9 @@ def fully_shard(
     Gradients and optimizer states are unchanged. The result is the same at every world size.
     ``all_gather_quant=ragged_fsdp.MXFP8()`` gathers them as MXFP8 (E4M3 codes, one E8M0 scale
     per 32 elements, in whole 32x32 tiles): the forward's gather moves the row-wise plane, a
-    re-gather in backward the column-wise plane (``docs/fp8.md``). Every rank must pass the
+    re-gather in backward the column-wise plane (``docs/fp8.md``). ``ragged_fsdp.NVFP4()`` does
+    the same in NVFP4 (E2M1 codes two per byte, one E4M3 scale per 16 elements, one fp32 scale
+    per tensor from an amax agreed across ranks, whole 16x16 tiles). Every rank must pass the
     same ``all_gather_quant`` (agreed at the call; a mismatch raises on every rank).
 
     ``gradient_reduce=ragged_fsdp.GradientReduce(wire_dtype=torch.int8, error_feedback=True)``
@@ -96,9 +98,9 @@ def fully_shard(
     """
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise TypeError(f"fully_shard: shard_placement_fn must be callable, got {type(shard_placement_fn).__name__}")
-    if all_gather_quant is not None and not isinstance(all_gather_quant, (BlockFP8, MXFP8)):
+    if all_gather_quant is not None and not isinstance(all_gather_quant, (BlockFP8, MXFP8, NVFP4)):
         raise TypeError(
-            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8 or ragged_fsdp.MXFP8 policy or None, "
+            f"fully_shard: all_gather_quant must be a ragged_fsdp.BlockFP8, MXFP8 or NVFP4 policy or None, "
             f"got {type(all_gather_quant).__name__}"
         )
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)

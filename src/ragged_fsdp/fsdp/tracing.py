@@ -34,8 +34,8 @@ class Event:
     early: bool = False  # reduce_scatter: issued before the group's post-backward
     params: tuple[str, ...] = ()  # the parameters the buffer holds
     sent: int | None = None  # reduce_scatter: bytes this rank sends for it (None for the other kinds)
-    wire: int | None = None  # an MXFP8 all_gather: bytes it moves into this rank (codes + scales, own share included)
-    plane: str | None = None  # an MXFP8 all_gather: the plane it moved, "rows" (forward) or "cols" (backward)
+    wire: int | None = None  # an MXFP8 / NVFP4 all_gather: bytes it moves into this rank (codes + scales, own share included)
+    plane: str | None = None  # an MXFP8 / NVFP4 all_gather: the plane it moved, "rows" (forward) or "cols" (backward)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Trace:
         for e in self.events:
             phase = "backward" if e.backward else "forward"
             sent = "" if e.sent is None else f"{e.sent / 2**20:.3f}"
-            if e.wire is not None:  # MXFP8: what the gather moved, and which plane
+            if e.wire is not None:  # MXFP8 / NVFP4: what the gather moved, and which plane
                 sent, phase = f"{e.wire / 2**20:.3f}", f"{phase} ({e.plane} plane)"
             rows.append(f"{e.kind + (' (early)' if e.early else ''):<22} {e.buffer:<24} {e.bytes / 2**20:>9.3f} "
                         f"{sent:>9}  {phase}")

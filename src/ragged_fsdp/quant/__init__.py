@@ -7,9 +7,10 @@ from .blockfp8 import (
 )
 from .grad_wire import GradientReduce
 from .mxfp8 import MXFP8
+from .nvfp4 import NVFP4
 from .scale_layout import ScaleLayout
 from .state_dict import dequantized_state_dict
 
-__all__ = ["BlockFP8", "MXFP8", "GradientReduce", "TileGeometry", "ScaleLayout", "quantize_pieces", "dequantize_pieces",
+__all__ = ["BlockFP8", "MXFP8", "NVFP4", "GradientReduce", "TileGeometry", "ScaleLayout", "quantize_pieces", "dequantize_pieces",
            "quantize_dequantize", "per_tensor_quantize_dequantize", "tile_amax", "FP8_DTYPES",
            "dequantized_state_dict", "BnB4Weight", "load_bnb4_state_dict", "pad_bnb4_blobs"]

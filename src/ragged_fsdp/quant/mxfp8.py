@@ -95,6 +95,9 @@ class MXFP8:
     def geometry(self, shape: Sequence[int]) -> TileGeometry:
         return TileGeometry.of(tuple(int(s) for s in shape), self.tile)
 
+    def scale_shape(self, piece: tuple[int, int, int], plane: str) -> tuple[int, int, int]:
+        return mx_scale_shape(piece, plane)
+
     def __repr__(self) -> str:
         return f"MXFP8(scaling={self.scaling!r})"
 

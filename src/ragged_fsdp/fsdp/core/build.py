@@ -12,6 +12,7 @@ from ragged_fsdp.dbuffer import DBuffer, plan_layout
 from ragged_fsdp.dbuffer.planning import parse_granularity
 from ragged_fsdp.placement import RaggedShard
 from ragged_fsdp.quant.mxfp8 import MXFP8
+from ragged_fsdp.quant.nvfp4 import NVFP4
 
 from ..comms.collectives import Comm
 from ..comms.mx_gather import attach_mx
@@ -101,7 +102,7 @@ def build_units(group: Building, params, placed: list[ParamPlacement], granulari
         compute, reduce_ = _mp_dtypes(group, dtype)
         buf = DBuffer(layout, device=group.device, dtype=dtype, compute_dtype=compute, reduce_dtype=reduce_)
         if gather is Gather.QUANT:
-            (attach_mx if isinstance(quant, MXFP8) else attach_quant)(buf, quant)
+            (attach_mx if isinstance(quant, (MXFP8, NVFP4)) else attach_quant)(buf, quant)
         index, infos = len(units), []
         for j, i in enumerate(idx):
             name, p, owners = params[i]

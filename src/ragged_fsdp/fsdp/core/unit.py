@@ -145,14 +145,14 @@ class Unit:
     def gather(self, dev: Device, from_kept: bool, for_backward: bool = False) -> Pending | None:
         """Issue the all-gather of the unsharded buffer (None: nothing to gather, the
         unsharded buffer is the sharded segment). ``from_kept``: from the parts the ranks
-        of ``post_forward_comm`` kept after forward. ``for_backward``: an MXFP8 buffer then
+        of ``post_forward_comm`` kept after forward. ``for_backward``: an MXFP8 / NVFP4 buffer then
         moves its column plane (the input gradient's), else its row plane."""
         buf = self.buf
         custom = self.hooks.all_gather
         plane = None
         if from_kept:
             p = all_gather(dev, self.post_forward_comm, buf, inp=self.kept, custom=custom)
-        elif isinstance(buf.quant, MXState):  # MXFP8: one plane per gather
+        elif isinstance(buf.quant, MXState):  # MXFP8 / NVFP4: one plane per gather
             plane = "cols" if for_backward else "rows"
             staged = self.offload.stage(self) if self.offload is not None else None
             p = mx_all_gather(dev, self.comm, buf, plane, after=staged)

@@ -29,6 +29,7 @@ import torch
 
 from ragged_fsdp.dbuffer import DBuffer
 from ragged_fsdp.quant.mxfp8 import MXFP8
+from ragged_fsdp.quant.nvfp4 import NVFP4
 
 from .. import tracing as trace
 from ...device import Device, Pending
@@ -102,10 +103,10 @@ class UnitOffload:
 
 def attach(group: ParamGroup, policy: OffloadPolicy) -> None:
     """Give every unit of ``group`` its host side and move what lives on the host there."""
-    if policy.params and group.all_gather_quant is not None and not isinstance(group.all_gather_quant, MXFP8):
+    if policy.params and group.all_gather_quant is not None and not isinstance(group.all_gather_quant, (MXFP8, NVFP4)):
         raise NotImplementedError(
             "fully_shard: offload_policy with params=True and all_gather_quant together are not "
-            "implemented (the block-fp8 gather quantises the device segment; MXFP8() composes with it); "
+            "implemented (the block-fp8 gather quantises the device segment; MXFP8() and NVFP4() compose with it); "
             "drop one of them")
     for u in group.units:
         if not isinstance(u.buf, DBuffer):
