@@ -9,8 +9,10 @@ clear error on all of them, a value that differs is an error naming each rank's 
 only then does anyone act on it.
 
 Two forms:
-- ``agree(what, value, ...)``: host objects (any picklable value), one ``all_gather_object``
-  per group; for setup and per-call settings, never per micro-step.
+- ``agree(what, value, ...)``: host objects (any picklable value). With ``same=True`` the
+  common case is one all-reduce of a digest and an error flag; only when a rank failed or the
+  digests differ does an ``all_gather_object`` per group bring every rank's value, to name
+  them. For setup and per-call settings, never per micro-step.
 - ``agree_flags(flags, ...)``: a few integers MAX-reduced in one all-reduce; for the hot path
   (end-of-backward flags), where pickling per step would cost host time.
 
@@ -21,6 +23,8 @@ facts: on NCCL they run on each group's gloo twin (``Comm.host_group``).
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,11 +64,35 @@ def _groups(group) -> list:
 
 
 def _host(g):
-    return Comm.of(g).host_group if dist.get_world_size(g) > 1 else g
+    if dist.get_world_size(g) == 1:
+        return g
+    comm = Comm.of(g)
+    # only an accelerator group needs a gloo twin; gloo (and test backends such as "fake")
+    # exchange host tensors themselves
+    return comm.host_group if "nccl" in comm.backend else g
+
+
+def _digest(value: Any) -> int:
+    """A 56-bit digest of a value (pickled; its repr when it cannot be pickled). Equal values
+    almost always digest alike; when they do not (a set pickled in another order), the slow
+    path below compares the values themselves, so a false difference costs one gather, never
+    a wrong error."""
+    try:
+        data = pickle.dumps(value, protocol=4)
+    except Exception:
+        data = repr(value).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=7).digest(), "little")
 
 
 def _size(g) -> int:
     return dist.get_world_size(g)
+
+
+def _count(groups) -> int:
+    n = 1
+    for g in groups:
+        n *= _size(g)
+    return n
 
 
 def _rank_label() -> int:
@@ -108,6 +136,12 @@ def agree(
         if error is not None:
             raise error if isinstance(error, BaseException) else ValueError(error)
         return [value]
+    if same:
+        # the common case in one small all-reduce: nobody failed and every digest is equal
+        h = _digest(value)
+        hi, neg_lo, failed = agree_flags([h, -h, int(error is not None)], groups)
+        if not failed and hi == h and -neg_lo == h:
+            return [value] * _count(groups)
     kind = type(error) if isinstance(error, BaseException) else ValueError
     entry = (me, None if error is None else (kind, first_line(error) if isinstance(error, str) else str(error)), value)
     rows = [entry]

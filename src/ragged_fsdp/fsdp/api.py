@@ -120,7 +120,7 @@ def fully_shard(
             "are written for CUDA streams); pass OffloadPolicy()")
     # every rank gathers the same format, or every rank raises here (not a garbled gather)
     agree("fully_shard: all_gather_quant", None if all_gather_quant is None else repr(all_gather_quant),
-          group=[dp.shard.host_group] + ([dp.replicate.host_group] if dp.replicate is not None else []),
+          group=[dp.shard.group] + ([dp.replicate.group] if dp.replicate is not None else []),
           fix="pass the same all_gather_quant (or None) on every rank")
     raf = resolve_reshard_after_forward(reshard_after_forward, dp.shard.world_size)
     ignored = set(ignored_params or ())
