@@ -14,12 +14,18 @@ compute, fp32 reduction, AdamW:
   ``MXFP8TrainingOpConfig`` (recipe ``mxfp8_emulated_rceil``: the emulated kernels, which run
   on CPU) for the same linears; its FSDP hook gathers the weight in ``param_dtype`` and
   quantises after the gather, in every matmul;
+* ``ragged_fsdp:nvfp4``: ``fully_shard(all_gather_quant=NVFP4(param_filter=...))``, the same
+  linears (fused experts included) gathered as NVFP4;
 * ``ragged_fsdp:bf16``: no quantisation, the bf16 baseline for the losses.
 
 Bytes per step: what every all-gather writes on this rank (own share included), counted
 at the collective (``all_gather_single`` / ``all_gather_into_tensor`` wrapped), medians over
-the steps. Losses: the global mean loss per step. Peak memory is not measured: on CPU there
-is no allocator high-water mark per framework in one process.
+the steps. Losses: the global mean loss per step. Peak memory: after the training steps,
+one more step per framework (forward, backward, optimizer step, zero_grad) under torch's
+MemTracker with the model and the optimizer tracked (the bench's ``_peak_composition``): the
+peak live tensor bytes on this rank and what was live at that peak, by MemTracker's reference
+type (Parameter, Buffer, Gradient, Optstate, Activation, Temp, Other); rank 0's, and the
+largest over the ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-FRAMEWORKS = ("ragged_fsdp:mxfp8", "fsdp2:torchao-mxfp8", "ragged_fsdp:bf16")
+FRAMEWORKS = ("ragged_fsdp:mxfp8", "fsdp2:torchao-mxfp8", "ragged_fsdp:nvfp4", "ragged_fsdp:bf16")
 _count = [0]
 
 
@@ -54,7 +60,9 @@ def _install_counters():
 
 _install_counters()
 
-from ragged_fsdp import MXFP8  # noqa: E402
+from ragged_fsdp import MXFP8, NVFP4  # noqa: E402
+# the bench's own MemTracker peak, so this peak means what the bench's tables mean
+from ragged_fsdp.bench.engine import _peak_composition as peak_composition
 from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
 from ragged_fsdp import fully_shard as ragged_shard
 from ragged_fsdp.models import Llama, LlamaConfig
@@ -89,7 +97,8 @@ def wrap(fw: str, model, mesh):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         return model
-    q = MXFP8(scaling="rceil", param_filter=_linear_filter) if fw.endswith("mxfp8") else None
+    q = {"mxfp8": MXFP8(scaling="rceil", param_filter=_linear_filter),
+         "nvfp4": NVFP4(param_filter=_linear_filter)}.get(fw.split(":")[1])
     for block in model.layers:
         ragged_shard(block, mesh=mesh, mp_policy=mp, all_gather_quant=q, reshard_after_forward=True)
     ragged_shard(model, mesh=mesh, mp_policy=mp, all_gather_quant=q, reshard_after_forward=True)
@@ -121,6 +130,21 @@ def run(model_name: str, steps: int, seed: int = 0) -> dict:
     for fw in FRAMEWORKS:
         res[fw] = {"bytes_per_step": statistics.median(out[fw]["bytes"]), "loss": out[fw]["loss"],
                    "final_loss_mean10": statistics.fmean(out[fw]["loss"][-10:])}
+    x, y = batches.local_batch_at(steps, rank, W)
+    for fw in FRAMEWORKS:  # warmed up by the steps above: one measured step each
+        m, opt = models[fw], opts[fw]
+
+        def step(m=m, opt=opt):
+            m.loss(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        comp = peak_composition(step, m, opt)
+        top = torch.tensor([comp["Total"]], dtype=torch.int64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        res[fw]["peak_bytes"] = comp["Total"]
+        res[fw]["peak_bytes_max_rank"] = int(top.item())
+        res[fw]["peak_composition"] = comp
     return res
 
 
@@ -139,8 +163,13 @@ def main(argv=None) -> int:
             base = r["ragged_fsdp:bf16"]["bytes_per_step"]
             for fw in FRAMEWORKS:
                 b = r[fw]["bytes_per_step"]
+                pk = r[fw]["peak_bytes"] / r["fsdp2:torchao-mxfp8"]["peak_bytes"]
                 print(f"{r['model']:<6} W={r['world']} {fw:<22} {b / 2**20:8.3f} MiB/step  "
-                      f"{b / base:5.2f} x bf16  loss(last 10) {r[fw]['final_loss_mean10']:.4f}")
+                      f"{b / base:5.2f} x bf16  loss(last 10) {r[fw]['final_loss_mean10']:.4f}  "
+                      f"peak {r[fw]['peak_bytes'] / 2**20:.3f} MiB (max rank "
+                      f"{r[fw]['peak_bytes_max_rank'] / 2**20:.3f}) {pk:.2f} x torchao's")
+                comp = {k: round(v / 2**20, 3) for k, v in r[fw]["peak_composition"].items() if v}
+                print(f"{'':<6}   at peak (MiB): {comp}")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
