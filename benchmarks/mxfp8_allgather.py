@@ -14,12 +14,19 @@ compute, fp32 reduction, AdamW:
   ``MXFP8TrainingOpConfig`` (recipe ``mxfp8_emulated_rceil``: the emulated kernels, which run
   on CPU) for the same linears; its FSDP hook gathers the weight in ``param_dtype`` and
   quantises after the gather, in every matmul;
+* ``ragged_fsdp:nvfp4``: ``fully_shard(all_gather_quant=NVFP4(param_filter=...))``, the same
+  linears (fused experts included) gathered as NVFP4;
 * ``ragged_fsdp:bf16``: no quantisation, the bf16 baseline for the losses.
 
 Bytes per step: what every all-gather writes on this rank (own share included), counted
 at the collective (``all_gather_single`` / ``all_gather_into_tensor`` wrapped), medians over
-the steps. Losses: the global mean loss per step. Peak memory is not measured: on CPU there
-is no allocator high-water mark per framework in one process.
+the steps. Losses: the global mean loss per step. Peak memory: after the training steps
+(warm-up), ``--peak-steps`` more steps (forward, backward, optimizer step, zero_grad), the
+frameworks in turn, each under torch's MemTracker with the model and the optimizer tracked
+(the bench's ``_peak_composition``): the peak live tensor bytes of each rank in each step
+and what was live at that peak, by MemTracker's reference type (Parameter, Buffer, Gradient,
+Optstate, Activation, Temp, Other); all kept, the largest over steps and ranks reported with
+its composition.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-FRAMEWORKS = ("ragged_fsdp:mxfp8", "fsdp2:torchao-mxfp8", "ragged_fsdp:bf16")
+FRAMEWORKS = ("ragged_fsdp:mxfp8", "fsdp2:torchao-mxfp8", "ragged_fsdp:nvfp4", "ragged_fsdp:bf16")
 _count = [0]
 
 
@@ -54,7 +61,9 @@ def _install_counters():
 
 _install_counters()
 
-from ragged_fsdp import MXFP8  # noqa: E402
+from ragged_fsdp import MXFP8, NVFP4  # noqa: E402
+# the bench's own MemTracker peak, so this peak means what the bench's tables mean
+from ragged_fsdp.bench.engine import _peak_composition as peak_composition
 from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
 from ragged_fsdp import fully_shard as ragged_shard
 from ragged_fsdp.models import Llama, LlamaConfig
@@ -89,14 +98,15 @@ def wrap(fw: str, model, mesh):
             fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         return model
-    q = MXFP8(scaling="rceil", param_filter=_linear_filter) if fw.endswith("mxfp8") else None
+    q = {"mxfp8": MXFP8(scaling="rceil", param_filter=_linear_filter),
+         "nvfp4": NVFP4(param_filter=_linear_filter)}.get(fw.split(":")[1])
     for block in model.layers:
         ragged_shard(block, mesh=mesh, mp_policy=mp, all_gather_quant=q, reshard_after_forward=True)
     ragged_shard(model, mesh=mesh, mp_policy=mp, all_gather_quant=q, reshard_after_forward=True)
     return model
 
 
-def run(model_name: str, steps: int, seed: int = 0) -> dict:
+def run(model_name: str, steps: int, peak_steps: int = 3, seed: int = 0) -> dict:
     W, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (W,))
     models = {fw: wrap(fw, build(model_name), mesh) for fw in FRAMEWORKS}
@@ -121,6 +131,32 @@ def run(model_name: str, steps: int, seed: int = 0) -> dict:
     for fw in FRAMEWORKS:
         res[fw] = {"bytes_per_step": statistics.median(out[fw]["bytes"]), "loss": out[fw]["loss"],
                    "final_loss_mean10": statistics.fmean(out[fw]["loss"][-10:])}
+    # Peak memory: after the steps above (warm-up), peak_steps more steps under MemTracker, the
+    # frameworks again in turn. Repeated because FSDP2's peak was seen to differ between two
+    # launches of the same command; the largest over steps and ranks is reported, all kept.
+    for fw in FRAMEWORKS:
+        res[fw]["peak_composition_by_step_rank"] = []
+    for k in range(peak_steps):
+        x, y = batches.local_batch_at(steps + k, rank, W)
+        for fw in FRAMEWORKS:
+            m, opt = models[fw], opts[fw]
+
+            def step(m=m, opt=opt):
+                m.loss(x, y).backward()
+                opt.step()
+                opt.zero_grad()
+
+            comp = peak_composition(step, m, opt)
+            by_rank: list = [None] * W
+            dist.all_gather_object(by_rank, comp)
+            res[fw]["peak_composition_by_step_rank"].append(by_rank)
+    for fw in FRAMEWORKS:
+        every = [(c["Total"], k, r) for k, row in enumerate(res[fw]["peak_composition_by_step_rank"])
+                 for r, c in enumerate(row)]
+        total, k, r = max(every)
+        res[fw]["peak_bytes_max_rank"] = total
+        res[fw]["peak_at"] = {"step": k, "rank": r}
+        res[fw]["peak_composition"] = res[fw]["peak_composition_by_step_rank"][k][r]
     return res
 
 
@@ -128,19 +164,25 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="llama,moe")
     p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--peak-steps", type=int, default=3, help="steps measured by MemTracker after --steps")
     p.add_argument("--json", default=None)
     p.add_argument("--png", default=None, help="loss curves (rank 0)")
     a = p.parse_args(argv)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    rows = [run(m, a.steps) for m in a.models.split(",")]
+    rows = [run(m, a.steps, a.peak_steps) for m in a.models.split(",")]
     if dist.get_rank() == 0:
         for r in rows:
             base = r["ragged_fsdp:bf16"]["bytes_per_step"]
             for fw in FRAMEWORKS:
                 b = r[fw]["bytes_per_step"]
+                pk = r[fw]["peak_bytes_max_rank"] / r["fsdp2:torchao-mxfp8"]["peak_bytes_max_rank"]
                 print(f"{r['model']:<6} W={r['world']} {fw:<22} {b / 2**20:8.3f} MiB/step  "
-                      f"{b / base:5.2f} x bf16  loss(last 10) {r[fw]['final_loss_mean10']:.4f}")
+                      f"{b / base:5.2f} x bf16  loss(last 10) {r[fw]['final_loss_mean10']:.4f}  "
+                      f"peak {r[fw]['peak_bytes_max_rank'] / 2**20:.3f} MiB {pk:.2f} x torchao's")
+                comp = {k: round(v / 2**20, 3) for k, v in r[fw]["peak_composition"].items() if v}
+                every = [[round(c["Total"] / 2**20, 3) for c in row] for row in r[fw]["peak_composition_by_step_rank"]]
+                print(f"{'':<6}   at peak (MiB): {comp}; by step, rank: {every}")
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(rows, f, indent=1)
