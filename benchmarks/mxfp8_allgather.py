@@ -23,7 +23,7 @@ at the collective (``all_gather_single`` / ``all_gather_into_tensor`` wrapped), 
 the steps. Losses: the global mean loss per step. Peak memory: after the training steps
 (warm-up), ``--peak-steps`` more steps (forward, backward, optimizer step, zero_grad), the
 frameworks in turn, each under torch's MemTracker with the model and the optimizer tracked
-(the bench's ``_peak_composition``): the peak live tensor bytes of each rank in each step
+(the bench's ``peak_composition``): the peak live tensor bytes of each rank in each step
 and what was live at that peak, by MemTracker's reference type (Parameter, Buffer, Gradient,
 Optstate, Activation, Temp, Other); all kept, the largest over steps and ranks reported with
 its composition.
@@ -63,7 +63,7 @@ _install_counters()
 
 from ragged_fsdp import MXFP8, NVFP4  # noqa: E402
 # the bench's own MemTracker peak, so this peak means what the bench's tables mean
-from ragged_fsdp.bench.engine import _peak_composition as peak_composition
+from ragged_fsdp.bench.engine import peak_composition
 from ragged_fsdp.data import VOCAB_SIZE, Batches, load_tokens
 from ragged_fsdp import fully_shard as ragged_shard
 from ragged_fsdp.models import Llama, LlamaConfig

@@ -200,7 +200,7 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
         res["peak_bytes_fwd_bwd"] = {}
         for v in variants:
             model, fwd_bwd, opt = passes[v]
-            comp = _peak_composition(runs[v], model, opt)
+            comp = peak_composition(runs[v], model, opt)
             res["peak_composition"][v] = comp
             res["peak_bytes"][v] = comp["Total"]
             # the busiest rank's peak too: a ragged split need not give every rank the same bytes
@@ -209,7 +209,7 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
             res.setdefault("peak_bytes_max_rank", {})[v] = int(top.item())
             # Forward + backward only (the optimizer step's states and temporaries differ
             # only by the optimizer).
-            res["peak_bytes_fwd_bwd"][v] = _peak_composition(fwd_bwd, model, opt)["Total"]
+            res["peak_bytes_fwd_bwd"][v] = peak_composition(fwd_bwd, model, opt)["Total"]
             opt.zero_grad(set_to_none=True)
             with CopyCounter() as c:
                 runs[v]()
@@ -234,7 +234,7 @@ def _bench_rank(rank: int, cfg: BenchConfig, port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-def _peak_composition(step, model, opt) -> dict[str, int]:
+def peak_composition(step, model, opt) -> dict[str, int]:
     """Peak live tensor bytes of ``step`` (torch's MemTracker, model and optimizer tracked)
     and what was live at that peak, by MemTracker's reference type; the kinds sum to Total."""
     from torch.distributed._tools.mem_tracker import MemTracker
