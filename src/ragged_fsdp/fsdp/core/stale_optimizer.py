@@ -85,12 +85,11 @@ def _same(a: tuple, b: tuple) -> bool:
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     for fn in _step_checks:
         fn(opt)
-    if not len(_replaced):
-        return
     params = tuple(p for g in opt.param_groups for p in g["params"])
     seen = opt.__dict__.get(_CHECKED)
     if seen is not None and seen[0] == _generation and _same(seen[1], params):
         return
-    check_optimizer(opt)
-    check_torch_optimizer(opt)
+    if len(_replaced):  # (the old parameters may all be gone: nothing stale to find then)
+        check_optimizer(opt)
+    check_torch_optimizer(opt)  # not under that test: it looks at the sharded parameters themselves
     opt.__dict__[_CHECKED] = (_generation, params)
