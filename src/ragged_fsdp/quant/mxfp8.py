@@ -30,12 +30,12 @@ max), cropped back.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from .blockfp8 import TileGeometry, _is_int, codes_to_float
+from .blockfp8 import codes_to_float
+from .tiled_policy import TiledPolicy
 
 __all__ = ["MXFP8", "PLANES", "mx_quantize_piece", "mx_dequantize_piece", "mx_quantize", "mx_dequantize",
            "mx_scale_shape", "e8m0_to_float"]
@@ -49,7 +49,7 @@ PLANES = ("rows", "cols")  # forward (x @ W.T) needs rows, the input gradient (d
 
 
 @dataclass(frozen=True)
-class MXFP8:
+class MXFP8(TiledPolicy):
     """All-gather policy for ``fully_shard(all_gather_quant=MXFP8())``: weights gathered as
     MXFP8 (E4M3 codes + one E8M0 scale per 32 elements), the forward's gather moving the
     row plane, the backward's re-gather the column plane (see ``docs/fp8.md``).
@@ -64,36 +64,14 @@ class MXFP8:
     """
 
     scaling: str = "floor"
-    min_numel: int | None = None
-    param_filter: Callable[[str, torch.Tensor], bool] | None = None
-    on_gathered: Callable[[str, str, torch.Tensor, torch.Tensor], None] | None = field(default=None, compare=False)
+
+    BLOCK = BLOCK
+    NAME = "MXFP8"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.scaling not in ("floor", "rceil"):
             raise ValueError(f"MXFP8: scaling={self.scaling!r} must be 'floor' (OCP MX) or 'rceil'")
-        if self.min_numel is not None and (not _is_int(self.min_numel) or self.min_numel < 0):
-            raise ValueError(f"MXFP8: min_numel={self.min_numel!r} must be an int >= 0 (or None for one 32x32 tile)")
-        for name in ("param_filter", "on_gathered"):
-            f = getattr(self, name)
-            if f is not None and not callable(f):
-                raise TypeError(f"MXFP8: {name}={f!r} must be a callable or None")
-
-    # what the gather path shares with BlockFP8: a tile that the layout keeps whole
-    @property
-    def tile(self) -> tuple[int, int]:
-        return (BLOCK, BLOCK)
-
-    def applies(self, name: str, param: torch.Tensor) -> bool:
-        """Whether ``param`` is gathered as MXFP8."""
-        if not param.dtype.is_floating_point or param.dim() < 2:
-            return False
-        limit = BLOCK * BLOCK if self.min_numel is None else self.min_numel
-        if param.numel() < limit or name.endswith("bias"):
-            return False
-        return self.param_filter is None or bool(self.param_filter(name, param))
-
-    def geometry(self, shape: Sequence[int]) -> TileGeometry:
-        return TileGeometry.of(tuple(int(s) for s in shape), self.tile)
 
     def scale_shape(self, piece: tuple[int, int, int], plane: str) -> tuple[int, int, int]:
         return mx_scale_shape(piece, plane)

@@ -22,12 +22,13 @@ multiple of 16, cropped back (zeros raise neither the block's nor the tensor's a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+
+from dataclasses import dataclass
 
 import torch
 
-from .blockfp8 import TileGeometry, _is_int, codes_to_float
+from .blockfp8 import codes_to_float
+from .tiled_policy import TiledPolicy
 
 __all__ = ["NVFP4", "nv_per_tensor_scale", "nv_quantize_piece", "nv_dequantize_piece", "nv_quantize",
            "nv_dequantize", "nv_scale_shape", "pack_nibbles", "unpack_nibbles", "e2m1_encode", "E2M1_VALUES"]
@@ -45,7 +46,7 @@ _DOWN = (0.25, 1.25, 2.5, 5.0)
 
 
 @dataclass(frozen=True)
-class NVFP4:
+class NVFP4(TiledPolicy):
     """All-gather policy for ``fully_shard(all_gather_quant=NVFP4())``: weights gathered as
     NVFP4 (E2M1 codes packed two per byte, one E4M3 scale per 16 elements, one fp32 scale per
     tensor agreed across ranks), the forward's gather moving the row plane, the backward's
@@ -59,33 +60,8 @@ class NVFP4:
     the weight's shape), E4M3 block scales (``uint8``) and the fp32 per-tensor scale (0-dim).
     """
 
-    min_numel: int | None = None
-    param_filter: Callable[[str, torch.Tensor], bool] | None = None
-    on_gathered: Callable[..., None] | None = field(default=None, compare=False)
-
-    def __post_init__(self):
-        if self.min_numel is not None and (not _is_int(self.min_numel) or self.min_numel < 0):
-            raise ValueError(f"NVFP4: min_numel={self.min_numel!r} must be an int >= 0 (or None for one 16x16 tile)")
-        for name in ("param_filter", "on_gathered"):
-            f = getattr(self, name)
-            if f is not None and not callable(f):
-                raise TypeError(f"NVFP4: {name}={f!r} must be a callable or None")
-
-    @property
-    def tile(self) -> tuple[int, int]:
-        return (BLOCK, BLOCK)
-
-    def applies(self, name: str, param: torch.Tensor) -> bool:
-        """Whether ``param`` is gathered as NVFP4."""
-        if not param.dtype.is_floating_point or param.dim() < 2:
-            return False
-        limit = BLOCK * BLOCK if self.min_numel is None else self.min_numel
-        if param.numel() < limit or name.endswith("bias"):
-            return False
-        return self.param_filter is None or bool(self.param_filter(name, param))
-
-    def geometry(self, shape: Sequence[int]) -> TileGeometry:
-        return TileGeometry.of(tuple(int(s) for s in shape), self.tile)
+    BLOCK = BLOCK
+    NAME = "NVFP4"
 
     def scale_shape(self, piece: tuple[int, int, int], plane: str) -> tuple[int, int, int]:
         return nv_scale_shape(piece, plane)
