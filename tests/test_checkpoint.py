@@ -267,3 +267,17 @@ def test_cli_convert_refuses_to_overwrite_without_force(tmp_path, capsys):
     assert run("convert", tmp_path / "zeros.pt", back, "--force") == 0
     assert torch.equal(ck.read_full(back)["w"], torch.zeros(4))
     assert sorted(os.listdir(tmp_path)) == ["back", "existing.pt", "ones.pt", "root", "zeros.pt"]
+
+
+def test_read_full_in_pieces_equals_one_read(tmp_path, monkeypatch):
+    """``ckpt convert``'s progress reads the checkpoint in pieces (one DCP load each): with a
+    piece size smaller than one tensor, every entry (tensors, optimizer ids, a plain value) is
+    what a single read gives."""
+    import ragged_fsdp.checkpoint.convert as conv
+
+    model, opt = _model_and_optim()
+    root = tmp_path / "root"
+    ck.save({"model": model.state_dict(), "optim": opt.state_dict(), "epoch": 4}, root)
+    whole = ck.read_full(root)
+    monkeypatch.setattr(conv, "PIECE_BYTES", 16)  # smaller than any tensor: one DCP load per entry
+    _equal_trees(ck.read_full(root, progress=True), whole)

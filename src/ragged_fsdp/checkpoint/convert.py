@@ -56,12 +56,14 @@ def resolve(path: str | os.PathLike) -> str:
     )
 
 
-def read_full(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]:
+def read_full(path: str | os.PathLike, key: str | None = None, *, progress: bool = False) -> dict[str, Any]:
     """The whole checkpoint (or only its top-level entry ``key``, e.g. ``"model"``) as a
     nested dict of plain CPU tensors and Python values, nested as it was saved.
 
     Optimizer state dicts get their integer parameter ids back (DCP stores dict keys as
-    strings), so ``optimizer.load_state_dict`` accepts them."""
+    strings), so ``optimizer.load_state_dict`` accepts them. ``progress``: read in pieces of
+    about :data:`PIECE_BYTES` (DCP loads any subset of keys) behind a bar with the bytes read
+    and an estimate, on a terminal (``ckpt convert`` turns it on)."""
     path = resolve(path)
     md = read_metadata(path)
     paths = md.planner_data or {}
@@ -77,12 +79,45 @@ def read_full(path: str | os.PathLike, key: str | None = None) -> dict[str, Any]
     if not flat:
         tops = sorted({str(tuple(paths.get(k, (k,)))[0]) for k in md.state_dict_metadata})
         raise KeyError(f"{path} has no top-level key {key!r}; it has {tops}")
-    dcp_load_verified(flat, path, planner=default_load_planner(allow_partial_load=True), no_dist=True)
+    for piece in _pieces(flat, progress):
+        dcp_load_verified(piece, path, planner=default_load_planner(allow_partial_load=True), no_dist=True)
+        flat.update(piece)  # bytes entries come back in the piece's dict
     nested: dict[str, Any] = {}
     for k, v in flat.items():
         set_element(nested, tuple(paths.get(k, (k,))), v)
     _restore_optimizer_ids(nested)
     return nested if key is None else nested[key]
+
+
+PIECE_BYTES = 256 * 2**20  # one DCP load per piece: large enough that its planning is noise
+
+
+def _nbytes(v: Any) -> int:
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _pieces(flat: dict[str, Any], progress: bool):
+    """``flat`` as one dict, or (``progress``) as dicts of about ``PIECE_BYTES`` each, in key
+    order, advancing a bar by each piece's bytes once it has been read."""
+    if not progress:
+        yield flat
+        return
+    from tqdm import tqdm  # a bar on a terminal only (disable=None): pipes and tests see none
+
+    total = sum(_nbytes(v) for v in flat.values())
+    with tqdm(total=total, desc="reading", unit="B", unit_scale=True, disable=None) as bar:
+        piece: dict[str, Any] = {}
+        size = 0
+        for k, v in flat.items():
+            piece[k] = v
+            size += _nbytes(v)
+            if size >= PIECE_BYTES:
+                yield piece
+                bar.update(size)
+                piece, size = {}, 0
+        if piece:
+            yield piece
+            bar.update(size)
 
 
 def _restore_optimizer_ids(obj: Any) -> None:
@@ -102,14 +137,14 @@ def _restore_optimizer_ids(obj: Any) -> None:
 
 
 def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None,
-                      force: bool = False) -> dict:
+                      force: bool = False, progress: bool = False) -> dict:
     """Write the checkpoint ``src`` (a DCP directory or a root of published checkpoints) as
     one ``torch.save`` file; ``key`` keeps only one part (e.g. ``"model"``, giving a plain
     ``model.load_state_dict`` input). An existing ``out`` is replaced only with ``force``.
     Returns the state dict written."""
     out = os.fspath(out)
     _check_output_file(out, force)
-    state = read_full(src, key)
+    state = read_full(src, key, progress=progress)
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, out)

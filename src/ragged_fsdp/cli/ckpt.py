@@ -115,7 +115,7 @@ def _convert(args, ck) -> int:
         return 0
     if os.path.isdir(args.src):
         src = ck.resolve(args.src)
-        state = ck.dcp_to_torch_save(src, args.dst, key=args.key, force=args.force)
+        state = ck.dcp_to_torch_save(src, args.dst, key=args.key, force=args.force, progress=True)
         print(f"wrote {args.dst} ({_count(state)} tensors) from {src}")
         return 0
     if os.path.isfile(args.src):
