@@ -58,6 +58,19 @@ class WaveRun:
         self.local_start = [lay.local_range[0] for _, _, lay in items]
         self.lr = _scalar(group["lr"])
 
+    def _sent_pieces(self, wave):
+        """``(matrix, offset, length)`` of this rank's pieces of other ranks' matrices, in the
+        order the all-to-all sends them out and the results come back (by owner, then wave)."""
+        me, o = self.me, 0
+        for d in range(self.batch.world):
+            if d == me:
+                continue
+            for m in wave.matrices:
+                n = m.held(me)
+                if m.owner == d and n:
+                    yield m, o, n
+                    o += n
+
     def _update_piece(self, m, out: torch.Tensor) -> None:
         """This rank's piece of ``m``'s Nesterov-blended update, rounded to bf16 into ``out``
         (the rounding of ``.bfloat16()``)."""
@@ -92,18 +105,10 @@ class WaveRun:
         """Launch the wave's pieces to their owners; ``[pending, send, recv]`` or None."""
         if not wave.needs_comm:
             return None
-        me, world = self.me, self.batch.world
         ref = local_of(self.items[0][1].grad)
         send = torch.empty(sum(wave.send_split), dtype=torch.bfloat16, device=ref.device)
-        o = 0
-        for d in range(world):
-            if d == me:
-                continue
-            for m in wave.matrices:
-                n = m.held(me)
-                if m.owner == d and n:
-                    self._update_piece(m, send[o: o + n])
-                    o += n
+        for m, o, n in self._sent_pieces(wave):
+            self._update_piece(m, send[o: o + n])
         recv = send.new_empty(sum(wave.recv_split))
         group = self.batch.group
 
@@ -204,16 +209,8 @@ class WaveRun:
             return
         pending, res = back
         pending.wait()
-        me, world = self.me, self.batch.world
-        o = 0
-        for d in range(world):
-            if d == me:
-                continue
-            for m in wave.matrices:
-                n = m.held(me)
-                if m.owner == d and n:
-                    self._apply(m, res[o: o + n])
-                    o += n
+        for m, o, n in self._sent_pieces(wave):
+            self._apply(m, res[o: o + n])
         self.dev.release(res)
 
     def run(self) -> None:

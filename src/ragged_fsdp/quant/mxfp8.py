@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .blockfp8 import codes_to_float
-from .tiled_policy import TiledPolicy
+from .tiled_policy import TiledPolicy, quantize_plane
 
 __all__ = ["MXFP8", "PLANES", "mx_quantize_piece", "mx_dequantize_piece", "mx_quantize", "mx_dequantize",
            "mx_scale_shape", "e8m0_to_float"]
@@ -127,16 +127,7 @@ def mx_quantize_piece(x: torch.Tensor, plane: str, scaling: str, codes: torch.Te
     """Quantise a piece ``x`` ``(n, rows, C)`` in ``plane`` into ``codes`` (``uint8``, x's
     shape) and ``scales`` (``uint8``, :func:`mx_scale_shape`), in place. A ``cols`` piece
     must start on a 32-row boundary of its matrices (the layout's rule)."""
-    if x.numel() == 0:
-        return
-    if plane == "rows":
-        c, e = _quantize_last(x, scaling)
-        codes.copy_(c)
-        scales.copy_(e)
-    else:
-        c, e = _quantize_last(x.transpose(1, 2), scaling)
-        codes.copy_(c.transpose(1, 2))
-        scales.copy_(e.transpose(1, 2))
+    quantize_plane(x, plane, lambda t: _quantize_last(t, scaling), codes, scales)
 
 
 _POW2: dict[torch.device, torch.Tensor] = {}

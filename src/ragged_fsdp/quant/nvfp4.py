@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .blockfp8 import codes_to_float
-from .tiled_policy import TiledPolicy
+from .tiled_policy import TiledPolicy, quantize_plane
 
 __all__ = ["NVFP4", "nv_per_tensor_scale", "nv_quantize_piece", "nv_dequantize_piece", "nv_quantize",
            "nv_dequantize", "nv_scale_shape", "pack_nibbles", "unpack_nibbles", "e2m1_encode", "E2M1_VALUES"]
@@ -138,16 +138,7 @@ def nv_quantize_piece(x: torch.Tensor, plane: str, pts: torch.Tensor, codes: tor
     """Quantise a piece ``x`` ``(n, rows, C)`` under per-tensor scale ``pts`` (0-dim fp32) in
     ``plane`` into ``codes`` (``uint8`` E2M1, x's shape) and ``scales`` (``uint8`` E4M3,
     :func:`nv_scale_shape`), in place. A ``cols`` piece starts on a 16-row boundary."""
-    if x.numel() == 0:
-        return
-    if plane == "rows":
-        c, e = _quantize_last(x, pts)
-        codes.copy_(c)
-        scales.copy_(e)
-    else:
-        c, e = _quantize_last(x.transpose(1, 2), pts)
-        codes.copy_(c.transpose(1, 2))
-        scales.copy_(e.transpose(1, 2))
+    quantize_plane(x, plane, lambda t: _quantize_last(t, pts), codes, scales)
 
 
 @torch.no_grad()

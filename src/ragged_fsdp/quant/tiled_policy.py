@@ -13,7 +13,7 @@ import torch
 
 from .blockfp8 import TileGeometry, _is_int
 
-__all__ = ["TiledPolicy"]
+__all__ = ["TiledPolicy", "quantize_plane"]
 
 
 @dataclass(frozen=True)
@@ -51,3 +51,20 @@ class TiledPolicy:
 
     def geometry(self, shape: Sequence[int]) -> TileGeometry:
         return TileGeometry.of(tuple(int(s) for s in shape), self.tile)
+
+
+def quantize_plane(x: torch.Tensor, plane: str, quantize_last: Callable, codes: torch.Tensor,
+                   scales: torch.Tensor) -> None:
+    """Quantise a piece ``x`` ``(n, rows, C)`` in ``plane`` with ``quantize_last`` (a format's
+    blocks along the last dim: ``x -> (codes, scales)``) into ``codes`` and ``scales``, in
+    place; the ``cols`` plane is the rows plane of the transposed matrices."""
+    if x.numel() == 0:
+        return
+    if plane == "rows":
+        c, e = quantize_last(x)
+        codes.copy_(c)
+        scales.copy_(e)
+    else:
+        c, e = quantize_last(x.transpose(1, 2))
+        codes.copy_(c.transpose(1, 2))
+        scales.copy_(e.transpose(1, 2))
