@@ -88,8 +88,10 @@ def run_scenario(out: str, steps: int = 6, die: str = "", wait_at: str = "", gro
             log.setdefault(int(s), []).append((int(w), loss, norm))
     final = os.path.join(out, "final.pt")
     killed = sorted(open(os.path.join(out, n)).read() for n in os.listdir(out) if n.startswith("died-"))
-    logs = "".join(open(os.path.join(out, n), errors="replace").read() for n in sorted(os.listdir(out))
-                   if n.startswith("agent-"))
-    return {"killed_nodes": killed, "agent_logs": logs, "log": log, "events": open(events).read().splitlines() if os.path.exists(events) else [],
+    per_agent = {n[len("agent-"):-len(".log")]: open(os.path.join(out, n), errors="replace").read()
+                 for n in sorted(os.listdir(out)) if n.startswith("agent-")}
+    logs = "".join(per_agent.values())
+    tails = {n: "\n".join(text.splitlines()[-40:]) for n, text in per_agent.items()}
+    return {"killed_nodes": killed, "agent_logs": logs, "agent_tails": tails, "log": log, "events": open(events).read().splitlines() if os.path.exists(events) else [],
             "codes": {n: a.returncode for n, a in agents.items()}, "seconds": time.time() - t0,
             "final": torch.load(final) if os.path.exists(final) else None}

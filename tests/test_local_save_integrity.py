@@ -382,7 +382,25 @@ def _cli(*args):
     return cli.run(parser.parse_args(["ckpt", *map(str, args)]))
 
 
-def test_ckpt_info_ls_convert_on_a_local_save(tmp_path, capsys):
+def _shown_bars(monkeypatch) -> list:
+    """Every tqdm bar made from now on, shown (as on a terminal) into a string, not stderr."""
+    import io
+
+    import tqdm
+
+    made = []
+
+    class Shown(tqdm.tqdm):
+        def __init__(self, *a, **k):
+            k.update(disable=False, file=io.StringIO())
+            super().__init__(*a, **k)
+            made.append(self)
+
+    monkeypatch.setattr(tqdm, "tqdm", Shown)
+    return made
+
+
+def test_ckpt_info_ls_convert_on_a_local_save(tmp_path, capsys, monkeypatch):
     from ragged_fsdp.checkpoint import save_local
 
     lin = torch.nn.Linear(3, 5)
@@ -407,6 +425,15 @@ def test_ckpt_info_ls_convert_on_a_local_save(tmp_path, capsys):
     opt2.load_state_dict(got["optim"])  # int parameter ids and lists kept
     assert _cli("convert", root / "step-10", tmp_path / "model.pt", "--key", "model") == 0
     assert set(torch.load(tmp_path / "model.pt", weights_only=True)) == {"weight", "bias"}
+    # the progress bar convert shows on a terminal: it ends at every tensor byte of the save
+    bars = _shown_bars(monkeypatch)
+    from ragged_fsdp.checkpoint import local_to_torch_save
+
+    again = local_to_torch_save(root / "step-10", tmp_path / "again.pt", progress=True)
+    assert torch.equal(again["model"]["weight"], got["model"]["weight"]) and again["epoch"] == 4
+    tensor_bytes = sum(t.numel() * t.element_size() for t in (lin.weight, lin.bias)) * 3  # model, exp_avg, exp_avg_sq
+    tensor_bytes += 2 * 4  # each parameter's step (a float32 scalar tensor)
+    assert [(b.n, b.total) for b in bars] == [(tensor_bytes, tensor_bytes)], [(b.n, b.total) for b in bars]
     # a damaged part: one line naming it, exit code 2
     p = root / "step-10" / "part-00000-of-00001.meta"
     p.write_bytes(b"nonsense")

@@ -152,14 +152,15 @@ def dcp_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: st
 
 
 def local_to_torch_save(src: str | os.PathLike, out: str | os.PathLike, *, key: str | None = None,
-                        force: bool = False) -> dict:
+                        force: bool = False, progress: bool = False) -> dict:
     """Write the local save in directory ``src`` (``save_local``, any W) as one ``torch.save``
     file of full tensors, nested as saved; ``key`` keeps one top-level entry. Every stored
     tensor is checked against its CRC-32 first. Values saved per rank (they differed between
-    ranks) have no full form and are refused by name. Returns the state dict written."""
+    ranks) have no full form and are refused by name. ``progress``: a bar with the bytes
+    read, on a terminal. Returns the state dict written."""
     out = os.fspath(out)
     _check_output_file(out, force)
-    state = read_local_full(os.fspath(src), key)
+    state = read_local_full(os.fspath(src), key, progress=progress)
     tmp = f"{out}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     os.replace(tmp, out)

@@ -3,6 +3,7 @@ and the one-process views of it (``ckpt info`` / ``convert``)."""
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -161,10 +162,11 @@ def describe_local(path: str) -> dict:
             "own": meta.get("own", {})}
 
 
-def read_local_full(path: str, key: str | None = None) -> dict[str, Any]:
+def read_local_full(path: str, key: str | None = None, *, progress: bool = False) -> dict[str, Any]:
     """The whole local save (or its top-level entry ``key``) as a nested dict of plain CPU
     tensors and values, nested as it was saved, every tensor checked. Values that differed
-    per rank have no single full form: refused by name."""
+    per rank have no single full form: refused by name. ``progress``: a bar with the bytes
+    assembled and an estimate, on a terminal (``ckpt convert`` turns it on)."""
     world = local_parts(path)
     meta = read_meta(path, 0, world)
     for s in range(1, world):
@@ -181,6 +183,7 @@ def read_local_full(path: str, key: str | None = None) -> dict[str, Any]:
     if per_rank:
         raise LocalCheckpointError(f"{path}: {per_rank[:5]} differed per rank when saved; a single full state has "
                                    "no place for them. Load the save at its world size with load_local instead")
+    bar = _bar(chosen, progress)
     for k, e in chosen.items():
         if e["kind"] == "object":
             value = meta["objects"][k]
@@ -194,5 +197,21 @@ def read_local_full(path: str, key: str | None = None) -> dict[str, Any]:
                 layout.check()
                 for pc in layout.pieces(0, flat.numel()):
                     flat[pc.dst_lo:pc.dst_lo + pc.src_hi - pc.src_lo].copy_(parts.tensor(pc.rank, k)[pc.src_lo:pc.src_hi])
+            if bar is not None:
+                bar.update(value.numel() * value.element_size())
         _put(out, _path(k, e), value, {tuple(x) for x in meta.get("lists", ())})
+    if bar is not None:
+        bar.close()
     return out if key is None else out[key]
+
+
+def _bar(entries: dict[str, dict], progress: bool):
+    """A tqdm bar over the tensor bytes of ``entries`` (each read whole, so it advances per
+    tensor); none without ``progress``, and none off a terminal (``disable=None``)."""
+    if not progress:
+        return None
+    from tqdm import tqdm
+
+    total = sum(math.prod(e["shape"]) * torch.empty((), dtype=getattr(torch, e["dtype"].replace("torch.", ""))).element_size()
+                for e in entries.values() if e["kind"] != "object")
+    return tqdm(total=total, desc="reading", unit="B", unit_scale=True, disable=None)

@@ -110,7 +110,7 @@ def _convert(args, ck) -> int:
         if args.root:
             raise ValueError(f"--root applies to a torch.save file -> DCP; {args.src} is a local save "
                              "(convert it to OUT.pt first, then OUT.pt to a root)")
-        state = ck.local_to_torch_save(args.src, args.dst, key=args.key, force=args.force)
+        state = ck.local_to_torch_save(args.src, args.dst, key=args.key, force=args.force, progress=True)
         print(f"wrote {args.dst} ({_count(state)} tensors) from the local save {args.src}")
         return 0
     if os.path.isdir(args.src):
