@@ -243,7 +243,7 @@ class PartialSum:
 
     unit: Unit
     scatter: Pending
-    then: Callable[[], None]  # stores the sum (plus the earlier ones) in the unit
+    then: Callable[[], None]  # HSDP: keeps the sum (plus the earlier ones) in the unit; global order: the fold's wait
     phase: Phase = Phase.SCATTERING
 
     def finish_scatter(self) -> None:
