@@ -4,14 +4,19 @@ All-gather: ``all_gather_single`` (``all_gather_into_tensor`` before torch 2.13)
 into the unsharded buffer. The input is the sharded segment itself when no cast is needed,
 otherwise the cast written into this rank's slot of the output (an in-place all-gather).
 
-Reduce-scatter (the mean over ranks of the unsharded gradient buffer, this rank's segment):
+Reduce-scatter (the mean over ranks of the unsharded gradient buffer, this rank's segment),
+chosen by backend in one dispatcher, :func:`reduce_scatter`, in this order:
 
-* NCCL and other backends: ``reduce_scatter_single`` with ``AVG`` straight into the sharded
-  gradient segment when dtypes allow, else into a staging segment that one op casts or adds;
+* ``W == 1``: no collective, one copy/add (or none: the caller may adopt the buffer);
+* a custom reduce-scatter (``set_custom_reduce_scatter``): the user's ``SUM``, then the divide;
 * gloo: its reduce-scatter is an all-reduce underneath (each rank moves the whole buffer
   twice); ``all_to_all_single`` moves only the pieces other ranks own, and one local
   ``mean`` over the ``W`` received pieces finishes the job;
-* ``W == 1``: no collective, one copy/add (or none: the caller may adopt the buffer).
+* NCCL and other backends: ``reduce_scatter_single`` with ``AVG`` straight into the sharded
+  gradient segment when dtypes allow, else into a staging segment that one op casts or adds.
+
+Every branch ends in :func:`~.landing.land` (divide, cast, write or add); NCCL's ``AVG`` is
+the one divide a collective does itself.
 """
 
 from __future__ import annotations
@@ -170,78 +175,104 @@ def reduce_scatter(
     """Reduce the unsharded gradient buffer ``grad`` (``W*S``) over ranks into ``target``
     (this rank's ``S``-element sharded gradient segment): ``target = mean`` or, with
     ``accumulate``, ``target += mean``. ``divide_factor`` replaces the world size.
-    ``custom``: a comm set by ``set_custom_reduce_scatter``, called as ``custom(output_tensor=,
+
+    The one place the collective is chosen by backend, read top to bottom: ``W == 1`` (no
+    collective), the user's custom reduce-scatter, gloo (all-to-all and a local sum), then
+    NCCL and every other backend (``reduce_scatter_single``). Each one ends in :func:`land`."""
+    W = comm.world_size
+    factor = float(divide_factor or W)
+    if W == 1:
+        return _reduce_alone(device, grad, target, accumulate, factor, lane)
+    if custom is not None:
+        return _reduce_custom(device, comm, grad, target, accumulate, factor, lane, custom)
+    if comm.gloo:
+        return _reduce_gloo(device, comm, grad, target, accumulate, factor, lane)
+    return _reduce_native(device, comm, grad, target, accumulate, divide_factor, lane)
+
+
+def _reduce_alone(device: Device, grad: torch.Tensor, target: torch.Tensor, accumulate: bool, factor: float,
+                  lane: str) -> Pending:
+    """``W == 1``: no collective, one copy/add (``grad`` is the whole buffer, and the caller's
+    to keep: no scratch)."""
+    return device.launch(lane, lambda async_op: None, post=lambda: land(grad, target, accumulate, factor),
+                         keep=(grad, target), out=(target,))
+
+
+def _reduce_custom(device: Device, comm: Comm, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                   factor: float, lane: str, custom) -> Pending:
+    """A comm set by ``set_custom_reduce_scatter``, called as ``custom(output_tensor=,
     input_tensor=grad, group=, op=ReduceOp.SUM, async_op=)`` into ``target`` (or a segment
     from its ``allocate`` when the result is cast or accumulated); the divide follows."""
-    W = comm.world_size
-    S = target.numel()
-    factor = float(divide_factor or W)
+    direct = not accumulate and grad.dtype == target.dtype
+    out = target if direct else checked_alloc(custom, "set_custom_reduce_scatter", target.numel(), grad.dtype,
+                                              grad.device)
 
-    def finish(reduced: torch.Tensor, already_scaled: bool, scratch: bool = True) -> None:
-        land(reduced, target, accumulate, 1.0 if already_scaled else factor, scratch=scratch)
+    def issue(async_op: bool):
+        return checked_work("set_custom_reduce_scatter", custom(
+            output_tensor=out, input_tensor=grad, group=comm.group, op=dist.ReduceOp.SUM, async_op=async_op),
+            async_op)
 
-    if W == 1:
-        return device.launch(lane, lambda async_op: None, post=lambda: finish(grad, False, scratch=False), keep=(grad, target),
-                             out=(target,))
+    def post():
+        # not direct: the comm's own memory, left as it reduced it (no scratch)
+        land(out, target, accumulate, factor, scratch=False)
 
-    if custom is not None:
-        direct = not accumulate and grad.dtype == target.dtype
-        out = target if direct else checked_alloc(custom, "set_custom_reduce_scatter", S, grad.dtype, grad.device)
+    return device.launch(lane, issue, post=post, keep=(grad, out, target), out=(out, target))
 
-        def issue_custom(async_op: bool):
-            return checked_work("set_custom_reduce_scatter", custom(
-                output_tensor=out, input_tensor=grad, group=comm.group, op=dist.ReduceOp.SUM, async_op=async_op),
-                async_op)
 
-        def post_custom():
-            # not direct: the comm's own memory, left as it reduced it (no scratch)
-            land(out, target, accumulate, factor, scratch=False)
-
-        return device.launch(lane, issue_custom, post=post_custom, keep=(grad, out, target), out=(out, target))
-
-    if comm.gloo and (W - 1) * S * grad.element_size() > GLOO_RECEIVE_BOUND_BYTES:
+def _reduce_gloo(device: Device, comm: Comm, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                 factor: float, lane: str) -> Pending:
+    """gloo: its reduce-scatter is an all-reduce underneath, so two all-to-alls move exactly
+    the pieces other ranks own and the owner sums them (:func:`_sum_pieces`); above
+    ``GLOO_RECEIVE_BOUND_BYTES`` received, in column chunks (same sums, same bits)."""
+    W, r, S = comm.world_size, comm.rank, target.numel()
+    if (W - 1) * S * grad.element_size() > GLOO_RECEIVE_BOUND_BYTES:
         return device.launch(lane, lambda async_op: _gloo_reduce_chunked(comm, grad, target, accumulate, factor),
                              keep=(grad, target), out=(target,))
+    # Each rank sends the chunks before its own to the lower ranks, those after it to the
+    # higher ranks, and receives the W-1 pieces of its own chunk into one (W-1)*S buffer (no
+    # copy of its own piece, which stays in `grad`).
+    own = grad.narrow(0, r * S, S)
+    # W == 2: the one piece received can land in the target itself (own + piece is the
+    # same sum either way round), so no receive buffer the size of the segment
+    into_target = W == 2 and not accumulate and target.dtype == grad.dtype
+    received = target if into_target else torch.empty((W - 1) * S, dtype=grad.dtype, device=grad.device)
+    lower = [S] * r + [0] * (W - r)  # to / from ranks below r
+    upper = [0] * (r + 1) + [S] * (W - r - 1)  # to / from ranks above r
 
-    if comm.gloo:
-        # Two all-to-alls move exactly the pieces other ranks own: each rank sends the
-        # chunks before its own to the lower ranks, those after it to the higher ranks, and
-        # receives the W-1 pieces of its own chunk into one (W-1)*S buffer (no copy of
-        # its own piece, which stays in `grad`).
-        r = comm.rank
-        own = grad.narrow(0, r * S, S)
-        # W == 2: the one piece received can land in the target itself (own + piece is the
-        # same sum either way round), so no receive buffer the size of the segment
-        into_target = W == 2 and not accumulate and target.dtype == grad.dtype
-        received = target if into_target else torch.empty((W - 1) * S, dtype=grad.dtype, device=grad.device)
-        lower = [S] * r + [0] * (W - r)  # to / from ranks below r
-        upper = [0] * (r + 1) + [S] * (W - r - 1)  # to / from ranks above r
+    def issue(async_op: bool):
+        w1 = dist.all_to_all_single(
+            received.narrow(0, r * S, (W - 1 - r) * S), grad.narrow(0, 0, r * S),
+            output_split_sizes=upper, input_split_sizes=lower, group=comm.group, async_op=async_op)
+        w2 = dist.all_to_all_single(
+            received.narrow(0, 0, r * S), grad.narrow(0, (r + 1) * S, (W - 1 - r) * S),
+            output_split_sizes=lower, input_split_sizes=upper, group=comm.group, async_op=async_op)
+        return AllWork(w1, w2)
 
-        def issue(async_op: bool):
-            w1 = dist.all_to_all_single(
-                received.narrow(0, r * S, (W - 1 - r) * S), grad.narrow(0, 0, r * S),
-                output_split_sizes=upper, input_split_sizes=lower, group=comm.group, async_op=async_op)
-            w2 = dist.all_to_all_single(
-                received.narrow(0, 0, r * S), grad.narrow(0, (r + 1) * S, (W - 1 - r) * S),
-                output_split_sizes=lower, input_split_sizes=upper, group=comm.group, async_op=async_op)
-            return AllWork(w1, w2)
+    def post():
+        if into_target:
+            land(target.add_(own), target, False, factor)
+        else:
+            _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
 
-        def post():
-            if into_target:
-                land(target.add_(own), target, False, factor)
-            else:
-                _sum_pieces(received.view(W - 1, S), own, target, accumulate, factor)
+    return device.launch(lane, issue, post=post, keep=(grad, received, target), out=(received, target))
 
-        return device.launch(lane, issue, post=post, keep=(grad, received, target), out=(received, target))
 
-    op = dist.ReduceOp.AVG if divide_factor is None else dist.ReduceOp.SUM
-    direct = not accumulate and grad.dtype == target.dtype and divide_factor is None
-    staging = target if direct else torch.empty(S, dtype=grad.dtype, device=grad.device)
+def _reduce_native(device: Device, comm: Comm, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
+                   divide_factor: float | None, lane: str) -> Pending:
+    """NCCL and the other backends: ``reduce_scatter_single``. Without ``divide_factor`` the
+    collective averages (``AVG``: the divide is the collective's own, so what lands is
+    already scaled) straight into ``target`` when dtypes allow; otherwise a ``SUM`` into a
+    staging segment that :func:`land` divides, casts or adds."""
+    avg = divide_factor is None
+    op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+    direct = not accumulate and grad.dtype == target.dtype and avg
+    staging = target if direct else torch.empty(target.numel(), dtype=grad.dtype, device=grad.device)
 
     def issue(async_op: bool):
         return _reduce_scatter_single(staging, grad, op=op, group=comm.group, async_op=async_op)
 
-    post: Callable[[], None] | None = None if direct else (lambda: finish(staging, divide_factor is None))
+    post: Callable[[], None] | None = None if direct else (
+        lambda: land(staging, target, accumulate, 1.0 if avg else float(divide_factor), scratch=True))
     return device.launch(lane, issue, post=post, keep=(grad, staging, target), out=(staging, target))
 
 

@@ -12,7 +12,12 @@ rules below are stated once:
   ``zero_grad``), else written over it;
 * ``cast_first``: an all-reduce hook's output, which FSDP2 casts to the gradient dtype
   before adding (its hook runs on the reduce-dtype result; the add then runs in the
-  gradient dtype). Without it a mixed-dtype add runs in the wider dtype.
+  gradient dtype). Without it a mixed-dtype add runs in the wider dtype;
+* ``land(t, t, False, factor)``: the divide alone, in place (``t *= 1 / factor``), for a
+  sum that something else reads before it lands (HSDP's all-reduce hook sees the mean).
+
+The one divide not here is NCCL's ``ReduceOp.AVG`` inside the collective (what it hands
+over is already the mean: it lands with ``factor`` 1).
 """
 
 from __future__ import annotations

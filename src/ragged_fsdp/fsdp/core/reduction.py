@@ -1,32 +1,50 @@
-"""The one owner of gradient reductions: issue, keep in flight, finish, hand out.
+"""The one owner of gradient reductions, in the order a gradient goes through them.
 
 Per root there is one :class:`Reductions` (in the root's context). A group asks it to
 reduce some units now (:meth:`Reductions.reduce_now`: its post-backward, and an early
-reduction from :mod:`.backward`, run that one sequence); per unit it decides how
-(:meth:`Reductions.reduce`):
+reduction from :mod:`.backward`, run that one sequence: finish the reduction in flight,
+take every gradient buffer, free the unsharded parameters, reduce each unit). Per unit
+(:meth:`Reductions.reduce`) the variant is picked once, by what the unit's group set:
+global order (:mod:`.global_order`: fold this micro-step's pieces, land on the step's
+last), HSDP (a replicate dim), or FSDP. Every variant then goes through the same stages,
+each a function of its own below, in this order:
 
-* FSDP: one reduce-scatter over the shard dim into a new sharded gradient segment, or, when
-  the sharded grads already hold gradients (accumulation without ``zero_grad``), added into
-  the segment they live in;
-* HSDP: the reduce-scatter over the shard dim, then one all-reduce over the replicate dim
-  on its own lane of the device seam (launched as soon as the reduce-scatter completes,
-  waited for at the end of backward or when the unit is next reduced), then the divide;
-  with ``set_requires_all_reduce(False)`` the shard-dim sums pile up in the unit instead;
-* a unit reduced early (see :mod:`.backward`) whose late gradients arrive: they are reduced
-  again and added into the early reduction's segment;
-* the unit's :class:`~..comms.custom.CommHooks`: a custom reduce-scatter replaces the shard-dim
-  collective, and an all-reduce hook runs on this reduction's divided segment (FSDP: a
-  stage of its own after the reduce-scatter; HSDP: after the all-reduce) before it is cast
-  or added into the sharded grads.
+1. **Where the sum lands** (:func:`choose_landing` -> :class:`Landing`): the sharded
+   gradient segment and whether to add into it, chosen once for every variant: a new
+   segment; the one existing grads live in (accumulation without ``zero_grad``); the early
+   reduction's segment when late gradients of an early-reduced unit arrive; or, FSDP at
+   ``W == 1`` with nothing to cast or divide, the unsharded gradient buffer itself.
+2. **The shard-dim collective** (:func:`shard_reduce`): the wire format's all-to-all and
+   fp32 sum (``fully_shard(gradient_reduce=...)``), else the engine's reduce-scatter, which
+   picks by backend in one dispatcher (:func:`~..comms.collectives.reduce_scatter`: ``W ==
+   1``, the user's custom reduce-scatter, gloo, NCCL). Global order's collective is its own
+   fold (:func:`~..comms.ordered_reduce.ordered_reduce`).
+3. **What follows it**: HSDP's all-reduce over the replicate dim on its own lane of the
+   device seam (launched as soon as the reduce-scatter completes, waited for at the end of
+   backward or when the unit is next reduced; with ``set_requires_all_reduce(False)`` the
+   shard-dim sums pile up in the unit instead, as :class:`PartialSum`), and the unit's
+   all-reduce hook (:class:`~..comms.custom.CommHooks`), which runs on this reduction's
+   divided result alone (FSDP: a stage of its own after the reduce-scatter; HSDP: after the
+   all-reduce) before it is cast or added into the sharded grads.
+
+Every divide, cast, write and add of a reduced sum is :func:`~..comms.landing.land`'s
+(NCCL's ``AVG`` is the one divide a collective does itself).
 
 Every reduction is a typed state in the queue (:class:`Reduction`, :class:`PartialSum`);
 ``in_flight`` is the order the shard-dim collectives were issued in, ``issued`` what this
-backward hands out at its end. :meth:`Reductions.hand_out` combines, per data-parallel mesh,
-the flags only the host knows (which slots got a gradient on any rank, which reductions ran
-early) in one `agreement.agree_flags` all-reduce of a CPU tensor over a gloo group beside the device's process group
-(``Comm.host_group``): no device-to-host copy in backward. The same exchange carries "the
-all-reduce hook raised on this rank" (:class:`HookFailure`), so that every rank raises there
-and none waits for the failed one in a collective.
+backward hands out at its end. The end of backward (:meth:`Reductions.end_backward`), per
+set of data-parallel process groups, is three stages again:
+
+4. :func:`exchange_flags`: the flags only the host knows (which slots got a gradient on any
+   rank, which reductions ran early, whether the all-reduce hook raised on this rank:
+   :class:`HookFailure`) in one ``agreement.agree_flags`` all-reduce of a CPU tensor over a
+   gloo group beside the device's process group (``Comm.host_group``): no device-to-host
+   copy in backward. A hook that raised on any rank, or a reduction that ran early on some
+   ranks only, raises here on every rank, and none waits for the failed one in a collective;
+5. :func:`hand_out`: each unit points its sharded grads into its reduced segment (under
+   grads offload, after the copy to the host);
+6. :func:`commit_residuals`: the backward completed, so error feedback's staged residuals
+   become the residuals (a backward that raised discards them instead).
 """
 
 from __future__ import annotations
@@ -54,7 +72,8 @@ from .global_order import Fold, GlobalOrder, Step, check_unit
 from .mesh_info import DPMesh
 from .unit import Unit
 
-__all__ = ["Phase", "Reduction", "PartialSum", "Reductions", "Settings", "HandedOut"]
+__all__ = ["Phase", "Reduction", "PartialSum", "Reductions", "Settings", "HandedOut", "Landing", "choose_landing",
+           "shard_reduce", "exchange_flags", "hand_out", "commit_residuals"]
 
 
 class HandedOut(Protocol):
@@ -65,66 +84,69 @@ class HandedOut(Protocol):
     def describe(self) -> str: ...
 
 
-class Phase(enum.Enum):
-    SCATTERING = "scattering"  # the shard-dim reduce-scatter is in flight
-    ALL_REDUCING = "all_reducing"  # HSDP's replicate-dim all-reduce (or FSDP's all-reduce hook) is in flight
-    DONE = "done"
+@dataclass
+class Settings:
+    """What a group's reductions depend on (the group's public setters change them)."""
+
+    divide_factor: float | None = None
+    requires_all_reduce: bool = True
+    wire: GradientReduce | None = None  # fully_shard(gradient_reduce=...): low-precision pieces, fp32 sum
+    order: GlobalOrder | None = None  # ragged_fsdp.global_order: the step's sum in one order at any W
 
 
-@dataclass(eq=False)
-class Reduction:
-    """One gradient reduction of one unit, handed out at the end of backward."""
+# -- 1. where the sum lands ------------------------------------------------------------
+@dataclass(frozen=True, eq=False, slots=True)
+class Landing:
+    """Where one reduction's sum lands: ``target`` (+)= sum / factor."""
 
-    unit: Unit
-    scatter: Pending  # the shard-dim reduce-scatter
-    target: torch.Tensor  # the sharded gradient segment being written
-    touched: list[bool]  # per slot: got a gradient on this rank
-    had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
-    dp: DPMesh  # the ranks it reduced over (its flags are combined over them)
-    early: bool = False  # issued before the group's post-backward
-    replicate: Pending | None = None  # after `scatter`: HSDP's replicate all-reduce, or FSDP's all-reduce hook
-    phase: Phase = Phase.SCATTERING
-    sent: int = 0  # bytes this rank sends for the shard-dim reduction (trace's `sent`)
-
-    def finish_scatter(self) -> None:
-        if self.phase is Phase.SCATTERING:
-            self.scatter.wait()
-            self.phase = Phase.ALL_REDUCING if self.replicate is not None else Phase.DONE
-
-    def wait(self) -> None:
-        self.finish_scatter()
-        if self.phase is Phase.ALL_REDUCING:
-            self.replicate.wait()
-            self.phase = Phase.DONE
+    target: torch.Tensor  # the sharded gradient segment written (or added into)
+    accumulate: bool  # add into the gradients already in ``target``
+    had_grad: list[bool]  # per slot: had a sharded grad before this reduction (read at hand-out)
+    adopted: bool = False  # ``target`` is the unsharded gradient buffer itself: nothing to reduce
 
 
-@dataclass(eq=False)
-class PartialSum:
-    """HSDP without the replicate all-reduce: a shard-dim sum that the unit keeps."""
+def choose_landing(unit: Unit, settings: Settings, prev: "Reduction | None" = None,
+                   grad: torch.Tensor | None = None) -> Landing:
+    """The one choice of target, for every variant. ``prev``: this backward's early
+    reduction of ``unit``, whose segment late gradients are added into. ``grad``: the
+    unsharded gradient buffer, which FSDP at ``W == 1`` adopts as the sharded one when there
+    is nothing to cast, divide or accumulate (None: not adoptable, e.g. a step's landing
+    from its global-order fold)."""
+    if prev is not None:
+        return Landing(prev.target, True, prev.had_grad)
+    had, existing = unit.existing_grads()
+    if existing:  # accumulation without zero_grad: add into the segment they live in
+        return Landing(unit.accumulation_target(existing), True, had)
+    buf = unit.buf
+    if (grad is not None and buf.world_size == 1 and unit.dp.replicate is None and settings.order is None
+            and grad.dtype == buf.dtype and settings.divide_factor is None and settings.wire is None):
+        return Landing(grad, False, had, adopted=True)
+    return Landing(buf.new_sharded_grad(), False, had)
 
-    unit: Unit
-    scatter: Pending
-    then: Callable[[], None]  # stores the sum (plus the earlier ones) in the unit
-    phase: Phase = Phase.SCATTERING
 
-    def finish_scatter(self) -> None:
-        if self.phase is Phase.SCATTERING:
-            self.scatter.wait()
-            self.then()
-            self.phase = Phase.DONE
-
-    wait = finish_scatter
-
-
-def _segment(unit: Unit, dtype: torch.dtype) -> torch.Tensor:
-    """A segment-sized staging tensor for a reduction's result (from the custom
-    reduce-scatter's ``allocate`` when one is set)."""
-    buf, rs = unit.buf, unit.hooks.reduce_scatter
+# -- 2. the shard-dim collective ---------------------------------------------------------
+def shard_reduce(dev: Device, unit: Unit, grad: torch.Tensor, out: torch.Tensor, accumulate: bool,
+                 factor: float | None, settings: Settings) -> tuple[Pending, int]:
+    """Issue the shard-dim reduction of ``unit``'s gradient buffer ``grad`` into ``out``
+    (``out`` (+)= sum / factor); returns its launch and the bytes this rank sends (trace's
+    ``sent``). The wire format's all-to-all plus fp32 sum when the group has one, else the
+    engine's reduce-scatter (chosen there by backend, or the user's custom one): the other
+    ranks' pieces in the reduce dtype are what the gloo all-to-all and a ring reduce-scatter
+    both send."""
+    shard, rs = unit.dp.shard, unit.hooks.reduce_scatter
+    if settings.wire is None or not grad.is_floating_point():
+        pending = reduce_scatter(dev, shard, grad, out, accumulate, factor, custom=rs)
+        return pending, (shard.world_size - 1) * unit.buf.segment * grad.element_size()
     if rs is not None:
-        return checked_alloc(rs, "set_custom_reduce_scatter", buf.segment, dtype, buf.device)
-    return torch.empty(buf.segment, dtype=dtype, device=buf.device)
+        raise ValueError(
+            f"ragged_fsdp: {unit!r} has both set_custom_reduce_scatter and fully_shard(gradient_reduce=...); "
+            "the custom comm replaces the collective the wire format needs: remove one of them")
+    state = unit.wire_state(settings.wire)
+    pending = wire_reduce_scatter(dev, shard, grad, out, accumulate, factor, state)
+    return pending, (wire_bytes(state.blocks, settings.wire, shard.rank)[0] if shard.world_size > 1 else 0)
 
 
+# -- 3. after the collective: the all-reduce hook ----------------------------------------
 @dataclass
 class HookFailure:
     """An exception the all-reduce hook raised on this rank, kept until the end of backward.
@@ -151,14 +173,25 @@ def _run_hook(hook: Callable[[torch.Tensor], None], segment: torch.Tensor, unit:
     return True
 
 
-def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor, accumulate: bool,
-                after: Pending | None, failed: list[HookFailure]) -> Pending:
+def _segment(unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+    """A segment-sized staging tensor for a reduction's result (from the custom
+    reduce-scatter's ``allocate`` when one is set)."""
+    buf, rs = unit.buf, unit.hooks.reduce_scatter
+    if rs is not None:
+        return checked_alloc(rs, "set_custom_reduce_scatter", buf.segment, dtype, buf.device)
+    return torch.empty(buf.segment, dtype=dtype, device=buf.device)
+
+
+def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, landing: Landing, after: Pending | None,
+                failed: list[HookFailure]) -> Pending:
     """FSDP (no replicate dim): run the all-reduce hook on the reduced segment ``out`` once
-    the reduction ``after`` finished, then cast or add it into ``target`` if it is not
-    ``target``. Its own lane (the user's stream, when set_all_reduce_hook got one), as FSDP2
-    runs its hook on the all-reduce stream. An exception of the hook goes to ``failed``."""
+    the reduction ``after`` finished, then land it (cast or add) in the landing's target if
+    it is not that target. Its own lane (the user's stream, when set_all_reduce_hook got
+    one), as FSDP2 runs its hook on the all-reduce stream. An exception of the hook goes to
+    ``failed``."""
     hooks = unit.hooks
     hook = hooks.all_reduce_hook
+    target, accumulate = landing.target, landing.accumulate
 
     def run() -> None:
         if not _run_hook(hook, out, unit, failed):
@@ -169,40 +202,57 @@ def _hook_stage(dev: Device, unit: Unit, out: torch.Tensor, target: torch.Tensor
     return dev.launch(lane, lambda async_op: None, post=run, keep=(out, target), after=after, out=(target,))
 
 
-@dataclass
-class Settings:
-    """What a group's reductions depend on (the group's public setters change them)."""
-
-    divide_factor: float | None = None
-    requires_all_reduce: bool = True
-    wire: GradientReduce | None = None  # fully_shard(gradient_reduce=...): low-precision pieces, fp32 sum
-    order: GlobalOrder | None = None  # ragged_fsdp.global_order: the step's sum in one order at any W
+# -- the queue's states -------------------------------------------------------------------
+class Phase(enum.Enum):
+    SCATTERING = "scattering"  # the shard-dim reduce-scatter is in flight
+    ALL_REDUCING = "all_reducing"  # HSDP's replicate-dim all-reduce (or FSDP's all-reduce hook) is in flight
+    DONE = "done"
 
 
-def _sent_bytes(unit: Unit, grad: torch.Tensor, settings: Settings) -> int:
-    """Bytes this rank sends for the shard-dim reduction of ``grad``: the wire format's codes
-    and scales (``wire_bytes``), else the other ranks' pieces in the reduce dtype (what the
-    gloo all-to-all and a ring reduce-scatter both send)."""
-    W, S = unit.dp.shard.world_size, unit.buf.segment
-    if W == 1:
-        return 0
-    if settings.wire is None or not grad.is_floating_point() or unit.hooks.reduce_scatter is not None:
-        return (W - 1) * S * grad.element_size()
-    return wire_bytes(unit.wire_state(settings.wire).blocks, settings.wire, unit.dp.shard.rank)[0]
+@dataclass(eq=False)
+class Reduction:
+    """One gradient reduction of one unit, handed out at the end of backward."""
+
+    unit: Unit
+    scatter: Pending  # the shard-dim reduce-scatter
+    target: torch.Tensor  # the sharded gradient segment being written (its Landing's)
+    touched: list[bool]  # per slot: got a gradient on this rank
+    had_grad: list[bool]  # per slot: already had a sharded grad before this reduction
+    dp: DPMesh  # the ranks it reduced over (its flags are combined over them)
+    early: bool = False  # issued before the group's post-backward
+    replicate: Pending | None = None  # after `scatter`: HSDP's replicate all-reduce, or FSDP's all-reduce hook
+    phase: Phase = Phase.SCATTERING
+    sent: int = 0  # bytes this rank sends for the shard-dim reduction (trace's `sent`)
+
+    def finish_scatter(self) -> None:
+        if self.phase is Phase.SCATTERING:
+            self.scatter.wait()
+            self.phase = Phase.ALL_REDUCING if self.replicate is not None else Phase.DONE
+
+    def wait(self) -> None:
+        self.finish_scatter()
+        if self.phase is Phase.ALL_REDUCING:
+            self.replicate.wait()
+            self.phase = Phase.DONE
 
 
-def _scatter(dev: Device, unit: Unit, grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
-             factor: float | None, settings: Settings) -> Pending:
-    """The shard-dim reduction of ``unit``: the engine's reduce-scatter (or the user's
-    custom one), or the wire format's all-to-all plus fp32 sum."""
-    rs = unit.hooks.reduce_scatter
-    if settings.wire is None or not grad.is_floating_point():
-        return reduce_scatter(dev, unit.dp.shard, grad, target, accumulate, factor, custom=rs)
-    if rs is not None:
-        raise ValueError(
-            f"ragged_fsdp: {unit!r} has both set_custom_reduce_scatter and fully_shard(gradient_reduce=...); "
-            "the custom comm replaces the collective the wire format needs: remove one of them")
-    return wire_reduce_scatter(dev, unit.dp.shard, grad, target, accumulate, factor, unit.wire_state(settings.wire))
+@dataclass(eq=False)
+class PartialSum:
+    """HSDP without the replicate all-reduce (a shard-dim sum that the unit keeps), or a
+    global-order micro-step that folds into the step's running sum: nothing to hand out."""
+
+    unit: Unit
+    scatter: Pending
+    then: Callable[[], None]  # HSDP: keeps the sum (plus the earlier ones) in the unit; global order: the fold's wait
+    phase: Phase = Phase.SCATTERING
+
+    def finish_scatter(self) -> None:
+        if self.phase is Phase.SCATTERING:
+            self.scatter.wait()
+            self.then()
+            self.phase = Phase.DONE
+
+    wait = finish_scatter
 
 
 @dataclass(eq=False)
@@ -299,55 +349,50 @@ class Reductions:
 
     def reduce(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
                early: bool = False) -> None:
-        """Reduce ``unit``'s gradient buffer ``grad`` over its data-parallel ranks."""
-        buf, dp = unit.buf, unit.dp
+        """Reduce ``unit``'s gradient buffer ``grad`` over its data-parallel ranks: the
+        variant is picked here, once; each variant runs the stages in order."""
         if settings.wire is not None and settings.wire.error_feedback and grad.is_floating_point():
             self.staged[id(unit)] = unit  # committed at hand-out, discarded when the backward raised
         prev = self._take_earlier(unit)
-        if prev is not None:  # late gradients of an early-reduced unit: add them in
+        if prev is not None:  # late gradients of an early-reduced unit: added into its segment
             touched = [x or y for x, y in zip(touched, prev.touched)]
+            early = True
         if settings.order is not None:
             return self._reduce_global(dev, unit, grad, touched, settings, prev, early)
-        if dp.replicate is not None:
+        if unit.dp.replicate is not None:
             return self._reduce_hsdp(dev, unit, grad, touched, settings, prev, early)
-        factor = settings.divide_factor
+        return self._reduce_fsdp(dev, unit, grad, touched, settings, prev, early)
+
+    def _reduce_fsdp(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
+                     prev: Reduction | None, early: bool) -> None:
+        """FSDP: one reduce-scatter over the shard dim into the landing's target, or (an
+        all-reduce hook) into a segment the hook sees alone, landed after it."""
+        landing = choose_landing(unit, settings, prev, grad)
         hooked = unit.hooks.all_reduce_hook is not None
-        if prev is not None:  # late gradients of an early-reduced unit: add them in
-            if not hooked:
-                pending = _scatter(dev, unit, grad, prev.target, True, factor, settings)
-                return self._add(Reduction(unit, pending, prev.target, touched, prev.had_grad, dp, early=True,
-                                           sent=_sent_bytes(unit, grad, settings)))
-            had, target, accumulate, early = prev.had_grad, prev.target, True, True
-        else:
-            had, existing = unit.existing_grads()
-            if not existing:
-                if buf.world_size == 1 and grad.dtype == buf.dtype and factor is None and settings.wire is None:
-                    # nothing to reduce: the unsharded gradient buffer is the sharded one
-                    stage = _hook_stage(dev, unit, grad, grad, False, None, self.hook_failures) if hooked else None
-                    return self._add(Reduction(unit, Pending(), grad, touched, had, dp, early=early, replicate=stage),
-                                     queued=False)
-                target, accumulate = buf.new_sharded_grad(), False
-            else:
-                target, accumulate = unit.accumulation_target(existing), True
+        if landing.adopted:  # nothing to reduce: the unsharded gradient buffer is the sharded one
+            stage = _hook_stage(dev, unit, grad, landing, None, self.hook_failures) if hooked else None
+            return self._add(Reduction(unit, Pending(), grad, touched, landing.had_grad, unit.dp, early=early,
+                                       replicate=stage), queued=False)
+        target, factor = landing.target, settings.divide_factor
         if not hooked:
-            pending = _scatter(dev, unit, grad, target, accumulate, factor, settings)
-            return self._add(Reduction(unit, pending, target, touched, had, dp, early=early,
-                                       sent=_sent_bytes(unit, grad, settings)))
+            pending, sent = shard_reduce(dev, unit, grad, target, landing.accumulate, factor, settings)
+            return self._add(Reduction(unit, pending, target, touched, landing.had_grad, unit.dp, early=early,
+                                       sent=sent))
         # the hook sees this reduction's result alone (before it is cast or added into
         # gradients accumulated earlier), as FSDP2's hook sees its reduce-scatter output
-        out = target if not accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
-        pending = _scatter(dev, unit, grad, out, False, factor, settings)
-        stage = _hook_stage(dev, unit, out, target, accumulate, pending, self.hook_failures)
-        self._add(Reduction(unit, pending, target, touched, had, dp, early=early, replicate=stage,
-                            sent=_sent_bytes(unit, grad, settings)))
+        out = target if not landing.accumulate and grad.dtype == target.dtype else _segment(unit, grad.dtype)
+        pending, sent = shard_reduce(dev, unit, grad, out, False, factor, settings)
+        stage = _hook_stage(dev, unit, out, landing, pending, self.hook_failures)
+        self._add(Reduction(unit, pending, target, touched, landing.had_grad, unit.dp, early=early, replicate=stage,
+                            sent=sent))
 
     def _reduce_hsdp(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
                      prev: Reduction | None, early: bool) -> None:
-        """HSDP: sum over the shard dim into a fresh segment (one reduce-scatter), then sum
-        over the replicate dim (one all-reduce, its own lane) and divide by every data-
-        parallel rank. With ``set_requires_all_reduce(False)`` the shard-dim sums pile up
-        instead and the sharded grads stay as they are, until a reduction that all-reduces
-        (as torch's HSDP: the replicate all-reduce is what gradient accumulation skips)."""
+        """HSDP: sum over the shard dim (one reduce-scatter), then sum over the replicate dim
+        (one all-reduce, its own lane) and divide by every data-parallel rank as it lands.
+        With ``set_requires_all_reduce(False)`` the shard-dim sums pile up instead and the
+        sharded grads stay as they are, until a reduction that all-reduces (as torch's HSDP:
+        the replicate all-reduce is what gradient accumulation skips)."""
         buf, dp = unit.buf, unit.dp
         earlier, earlier_touched = unit.take_partial()
         if earlier_touched is not None:
@@ -360,23 +405,18 @@ class Reductions:
                     partial.add_(earlier)
                 unit.keep_partial(partial, touched)
 
-            first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
+            first, sent = shard_reduce(dev, unit, grad, partial, False, 1.0, settings)
             self.in_flight.append(PartialSum(unit, first, keep))
-            trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early,
-                         sent=_sent_bytes(unit, grad, settings))
+            trace.record("reduce_scatter", unit, partial.numel() * partial.element_size(), early=early, sent=sent)
             return
-        had, existing = unit.existing_grads()
-        if prev is not None:  # late gradients: add into the early reduction's segment
-            had, existing, early = prev.had_grad, {-1: prev.target}, True
-            target = prev.target
-        else:
-            target = unit.accumulation_target(existing) if existing else buf.new_sharded_grad()
+        landing = choose_landing(unit, settings, prev)
+        target, accumulate = landing.target, landing.accumulate
         # the common case (nothing accumulates, same dtype): reduce straight into the new
         # sharded gradient segment and all-reduce it in place: no second segment, no copy
-        direct = earlier is None and not existing and grad.dtype == buf.dtype
+        direct = earlier is None and not accumulate and grad.dtype == buf.dtype
         partial = target if direct else _segment(unit, grad.dtype)
         factor = float(settings.divide_factor or dp.size)
-        first = _scatter(dev, unit, grad, partial, False, 1.0, settings)
+        first, sent = shard_reduce(dev, unit, grad, partial, False, 1.0, settings)
 
         def before() -> None:
             if earlier is not None:
@@ -386,18 +426,19 @@ class Reductions:
         failed = self.hook_failures
 
         def after() -> None:
-            if hook is not None:  # the hook sees the divided sum before it lands in the grads
-                partial.mul_(1.0 / factor)
-                if not _run_hook(hook, partial, unit, failed):
-                    return
-                land(partial, target, bool(existing), cast_first=True)
-            else:
-                land(partial, target, bool(existing), factor, scratch=True)
+            if hook is None:
+                land(partial, target, accumulate, factor, scratch=True)
+                return
+            # the hook sees the divided sum (divided in place, in the reduce dtype) before it
+            # lands in the grads, cast first
+            land(partial, partial, False, factor)
+            if _run_hook(hook, partial, unit, failed):
+                land(partial, target, accumulate, cast_first=True)
 
         keep = (partial, target) + ((earlier,) if earlier is not None else ())
         second = all_reduce(dev, dp.replicate, partial, pre=before, post=after, after=first, keep=keep, out=(target,))
-        self._add(Reduction(unit, first, target, touched, had, dp, early=early, replicate=second,
-                            sent=_sent_bytes(unit, grad, settings)))
+        self._add(Reduction(unit, first, target, touched, landing.had_grad, dp, early=early, replicate=second,
+                            sent=sent))
         trace.record("all_reduce", unit, 0 if direct else partial.numel() * partial.element_size())
 
     def _reduce_global(self, dev: Device, unit: Unit, grad: torch.Tensor, touched: list[bool], settings: Settings,
@@ -427,21 +468,15 @@ class Reductions:
             trace.record("reduce_scatter", unit, fold.acc.numel() * 4, early=early)
             return
         del self.folds[id(unit)]
-        target, accumulate, had = self._landing(unit)
+        landing = choose_landing(unit, settings)
         factor = float(settings.divide_factor or order.micro_batches)
         scatter, second = ordered_reduce(dev, dp.shard, dp.replicate, grad, fold.acc, first,
-                                         (target, accumulate, factor))
-        self._add(Reduction(unit, scatter, target, fold.touched, had, dp, early=early, replicate=second))
-
-    @staticmethod
-    def _landing(unit: Unit) -> tuple[torch.Tensor, bool, list[bool]]:
-        had, existing = unit.existing_grads()
-        if existing:
-            return unit.accumulation_target(existing), True, had
-        return unit.buf.new_sharded_grad(), False, had
+                                         (landing.target, landing.accumulate, factor))
+        self._add(Reduction(unit, scatter, landing.target, fold.touched, landing.had_grad, dp, early=early,
+                            replicate=second))
 
     def end_micro_step(self, groups: list) -> None:
-        """Global order, at the end of every backward (before :meth:`hand_out`): one more
+        """Global order, at the end of every backward (before :meth:`end_backward`): one more
         micro-step of the step completed. A unit this backward did not reduce (its modules
         did not run) folds nothing for it; on the step's last micro-step its sum lands now,
         from what it folded (no collective: its pieces are all in), so every unit's step
@@ -458,25 +493,23 @@ class Reductions:
                 if fold is None or id(u) in reduced:
                     continue
                 settings = g.settings()
-                order = settings.order
                 del self.folds[id(u)]
-                target, accumulate, had = self._landing(u)
-                factor = float(settings.divide_factor or order.micro_batches)
+                landing = choose_landing(u, settings)
+                factor = float(settings.divide_factor or settings.order.micro_batches)
                 pending = g.dev.launch("reduce_scatter", lambda async_op: None,
-                                       post=lambda a=fold.acc, t=target, acc=accumulate, f=factor:
+                                       post=lambda a=fold.acc, t=landing.target, acc=landing.accumulate, f=factor:
                                        land(a, t, acc, f, scratch=True),
-                                       keep=(fold.acc, target), out=(target,))
-                self._add(Reduction(u, pending, target, fold.touched, had, u.dp))
+                                       keep=(fold.acc, landing.target), out=(landing.target,))
+                self._add(Reduction(u, pending, landing.target, fold.touched, landing.had_grad, u.dp))
         self.step.done = 0 if last else self.step.done + 1
 
     # -- the end of backward -------------------------------------------------------------
-    def hand_out(self, groups: list[HandedOut]) -> None:
-        """After every reduction finished: one all-reduce of the 'got a gradient' and
-        'ran early' flags of every reduction per data-parallel mesh (over its shard dim, and
-        its replicate dim under HSDP), on the host; then each unit points its sharded grads
-        into the reduced segment. ``groups`` (in the root's order) orders the flags the
-        same on every rank. An all-reduce hook that raised on any rank of a mesh makes every
-        rank of it raise here, before that mesh's gradients are handed out."""
+    def end_backward(self, groups: list[HandedOut]) -> None:
+        """After every reduction finished, per set of data-parallel process groups: exchange
+        the flags (:func:`exchange_flags`, which raises on every rank when a hook raised on
+        any rank of it, before its gradients are handed out), hand the gradients out
+        (:func:`hand_out`); then commit error feedback's residuals (:func:`commit_residuals`).
+        ``groups`` (in the root's order) orders the flags the same on every rank."""
         self.wait_all()
         order = {id(u): k for k, g in enumerate(groups) for u in g.units}
         describe = {id(u): g.describe() for g in groups for u in g.units}
@@ -490,44 +523,68 @@ class Reductions:
         for r in issued:
             by_dp.setdefault(_dp_key(r.dp), []).append(r)
         for key, items in by_dp.items():
-            dp = items[0].dp
             here = [f for f in failures if _dp_key(f.unit.dp) == key]
-            # per reduction, also (early, not early): every rank must have issued it at the
-            # same point, or the collectives paired different buffers; MAX makes a mismatch (1, 1)
-            early = [v for r in items for v in (int(r.early), 1 - int(r.early))]
-            # last: 1 + the global rank of the highest rank whose all-reduce hook raised
-            failed_on = [dist.get_rank() + 1 if here and dist.is_initialized() else int(bool(here))]
-            got = agree_flags([int(f) for r in items for f in r.touched] + early + failed_on,
-                              [c.group for c in (dp.shard, dp.replicate) if c is not None])
-            failed_rank = got.pop()
-            if failed_rank:
-                _raise_hook_failure(here, got_rank=failed_rank - 1, describe=describe)
-            n_touched = len(got) - len(early)
-            mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
-            if mixed:
-                raise RuntimeError(
-                    f"ragged_fsdp: the gradient reduction of {describe.get(id(mixed[0].unit), '?')} (buffer {mixed[0].unit.index}) "
-                    "ran early on some ranks and at the end of backward on others, so the collectives of that "
-                    "backward paired different buffers. The modules owning its parameters must run (with inputs "
-                    "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")
-            # grads offload: every copy to the host is issued before the first is waited for
-            moved = [r.unit.grads_to_host(r.target) for r in items]
-            k = 0
-            for r, (target, copy) in zip(items, moved):
-                n = len(r.touched)
-                if copy is not None:
-                    copy.wait()
-                r.unit.hand_out(target, [bool(x) for x in got[k:k + n]], r.had_grad)
-                if copy is not None:
-                    r.unit.forget_grad_segment()  # accumulate into a device segment, never the host one
-                    r.target = target  # the device segment has no other owner: freed here
-                k += n
-        # the backward completed and no rank's hook failed: error feedback's staged residuals
-        # are the residuals now (a raise above leaves them staged, and the abort drops them)
-        for g in groups:
-            for u in g.units:
-                u.commit_residual()
+            got = exchange_flags(items, here, describe)
+            hand_out(items, got)
+        # the backward completed and no rank's hook failed (a raise above leaves the
+        # residuals staged, and the abort drops them)
+        commit_residuals(groups)
         self.staged = {}
+
+
+# -- 4-6. the end of backward ----------------------------------------------------------------
+def exchange_flags(items: list[Reduction], failures: list[HookFailure], describe: dict[int, str]) -> list[int]:
+    """One all-reduce (MAX) over the data-parallel mesh of ``items`` (its shard dim, and its
+    replicate dim under HSDP), on the host: per slot of every reduction "got a gradient on
+    some rank", returned in ``items``' order. The same exchange carries, per reduction,
+    (early, not early): every rank must have issued it at the same point, or the collectives
+    paired different buffers (MAX makes a mismatch (1, 1)); and last, 1 + the global rank of
+    the highest rank whose all-reduce hook raised (``failures``: this rank's). Either one
+    raises here, on every rank of the mesh."""
+    dp = items[0].dp
+    early = [v for r in items for v in (int(r.early), 1 - int(r.early))]
+    failed_on = [dist.get_rank() + 1 if failures and dist.is_initialized() else int(bool(failures))]
+    got = agree_flags([int(f) for r in items for f in r.touched] + early + failed_on,
+                      [c.group for c in (dp.shard, dp.replicate) if c is not None])
+    failed_rank = got.pop()
+    if failed_rank:
+        _raise_hook_failure(failures, got_rank=failed_rank - 1, describe=describe)
+    n_touched = len(got) - len(early)
+    mixed = [r for k, r in enumerate(items) if got[n_touched + 2 * k: n_touched + 2 * k + 2] == [1, 1]]
+    if mixed:
+        raise RuntimeError(
+            f"ragged_fsdp: the gradient reduction of {describe.get(id(mixed[0].unit), '?')} (buffer {mixed[0].unit.index}) "
+            "ran early on some ranks and at the end of backward on others, so the collectives of that "
+            "backward paired different buffers. The modules owning its parameters must run (with inputs "
+            "that need grad) on every rank; wrap the ones that run on some ranks only in their own fully_shard.")
+    del got[n_touched:]
+    return got
+
+
+def hand_out(items: list[Reduction], got: list[int]) -> None:
+    """Each unit points its sharded grads into its finished reduction's segment; ``got``: per
+    slot of every reduction, in order, "got a gradient on some rank" (:func:`exchange_flags`).
+    A parameter no rank produced a gradient for keeps ``.grad = None``."""
+    # grads offload: every copy to the host is issued before the first is waited for
+    moved = [r.unit.grads_to_host(r.target) for r in items]
+    k = 0
+    for r, (target, copy) in zip(items, moved):
+        n = len(r.touched)
+        if copy is not None:
+            copy.wait()
+        r.unit.hand_out(target, [bool(x) for x in got[k:k + n]], r.had_grad)
+        if copy is not None:
+            r.unit.forget_grad_segment()  # accumulate into a device segment, never the host one
+            r.target = target  # the device segment has no other owner: freed here
+        k += n
+
+
+def commit_residuals(groups: list[HandedOut]) -> None:
+    """The backward completed and no rank's hook failed: error feedback's staged residuals
+    are the residuals now."""
+    for g in groups:
+        for u in g.units:
+            u.commit_residual()
 
 
 def _dp_key(dp: DPMesh) -> tuple:

@@ -330,7 +330,7 @@ class FSDPState:
                     st.group.end_backward()
             groups = [st.group for st in states if st.group is not None]
             ctx.reductions.end_micro_step(groups)
-            ctx.reductions.hand_out(groups)
+            ctx.reductions.end_backward(groups)
         except BaseException:
             # e.g. an all-reduce hook raised on some rank: no gradient of this backward was
             # taken, so neither is the error-feedback residual its reductions staged
