@@ -17,6 +17,9 @@ check refuses torch.optim optimizers that cannot run on sharded parameters
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
@@ -79,13 +82,15 @@ def check_optimizer(opt: torch.optim.Optimizer) -> None:
 
 
 def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    # map(operator.is_) and chain run in C: no Python frame per parameter on every step (a
+    # generator here was about 700 profiled calls per step on the 48-block host-cost model)
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 def _pre_step(opt: torch.optim.Optimizer, args, kwargs) -> None:
     for fn in _step_checks:
         fn(opt)
-    params = tuple(p for g in opt.param_groups for p in g["params"])
+    params = tuple(itertools.chain.from_iterable(g["params"] for g in opt.param_groups))
     seen = opt.__dict__.get(_CHECKED)
     if seen is not None and seen[0] == _generation and _same(seen[1], params):
         return
