@@ -15,8 +15,7 @@ from ._args import UsageError, choices, output_path, positive_int, whole_number
 
 
 # --quick: enough rounds that a median ratio and its per-round range can be read at all on
-# tiny models, few enough for a check (docs/benchmarks.md has the one measurement, on a loaded
-# machine: 282 s)
+# tiny models, few enough for a check (docs/benchmarks.md: 57 s on a quiet 2-core machine)
 QUICK_ROUNDS, QUICK_STEPS = 5, 2
 
 
