@@ -235,6 +235,84 @@ def case_set_is_last_backward_and_flags(rank, world):
     _step(model, rank, world)
 
 
+def _manual_step(model, rank, world, *, manual=True, async_op=False, finish=True):
+    """Three micro-batches of two sequences per rank with gradient sync off, then (manual)
+    finalize_backward, or (the usual recipe) sync back on for the last one."""
+    tokens, targets = global_batch(0, 6 * world, 8, model.cfg.vocab_size)
+    if manual:
+        model.set_manual_backward_finalization(True)
+    for m in range(3):
+        model.set_requires_gradient_sync(not manual and m == 2)
+        rows = slice((m * world + rank) * 2, (m * world + rank) * 2 + 2)
+        (model.loss(tokens[rows], targets[rows]) / 3).backward()
+    if not manual:
+        return None
+    model.set_requires_gradient_sync(True)
+    handle = model.finalize_backward(async_op=async_op)
+    if finish and handle is not None:
+        handle.wait()
+    return handle
+
+
+def _grads(model):
+    return {n: full(p.grad) for n, p in model.named_parameters()}
+
+
+def case_manual_backward_finalization(rank, world):
+    """torch 2.15's manual finalization (its pipeline schedules end their steps with it):
+    what three micro-batches accumulated with sync off is reduced by finalize_backward. Checked
+    against one process on the whole batch (fp32 summed in another order: within 1e-6) and
+    bitwise against the usual recipe (sync back on for the last micro-batch: the same sums in
+    the same order), with and without async_op."""
+    torch.manual_seed(0)
+    ref = Llama(LlamaConfig.tiny())
+    tokens, targets = global_batch(0, 6 * world, 8, ref.cfg.vocab_size)
+    ref.loss(tokens, targets).backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+
+    usual = _wrapped(cpu_mesh(world))
+    _manual_step(usual, rank, world, manual=False)
+    usual_grads = _grads(usual)
+    for async_op in (False, True):
+        model = _wrapped(cpu_mesh(world))
+        _manual_step(model, rank, world, async_op=async_op)
+        got = _grads(model)
+        for n, g in got.items():
+            torch.testing.assert_close(g, expected[n], rtol=0, atol=1e-6, msg=n)
+            assert torch.equal(g, usual_grads[n]), n
+
+
+def case_manual_finalization_cut_short(rank, world):
+    """A step whose async finalization is reset before its wait() hands out nothing, and the
+    next step starts clean: its gradients are those of a fresh model's first step, bitwise."""
+    fresh = _wrapped(cpu_mesh(world))
+    _manual_step(fresh, rank, world)
+    want = _grads(fresh)
+
+    model = _wrapped(cpu_mesh(world))
+    handle = _manual_step(model, rank, world, async_op=True, finish=False)
+    _raises(RuntimeError, "not waited on", lambda: _step(model, rank, world))
+    model.reset_iter_state()
+    _raises(RuntimeError, "was reset", handle.wait)
+    assert all(p.grad is None for p in model.parameters())
+    _manual_step(model, rank, world)
+    got = _grads(model)
+    assert all(torch.equal(got[n], want[n]) for n in want), [n for n in want if not torch.equal(got[n], want[n])]
+
+
+def case_manual_finalization_errors(rank, world):
+    model = _wrapped(cpu_mesh(world))
+    assert model.finalize_backward() is None  # before the first forward: nothing to do (as in torch)
+    model.finalize_backward(async_op=True).wait()
+    _raises(TypeError, "expected a bool", lambda: model.set_manual_backward_finalization(1))
+    _raises(TypeError, "async_op", lambda: model.finalize_backward(async_op="yes"))
+    _step(model, rank, world)
+    _raises(RuntimeError, r"set_manual_backward_finalization\(True\)", model.finalize_backward)
+    _raises(RuntimeError, "not the root", lambda: model.layers[0].set_manual_backward_finalization(True))
+    _raises(RuntimeError, "not the root", lambda: model.layers[0].finalize_backward())
+    _raises(NotImplementedError, "set_keep_unsharded_storage", lambda: model.set_keep_unsharded_storage(True))
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def _raises(exc, match, fn):
     with pytest.raises(exc, match=match):
@@ -301,6 +379,9 @@ CASES = [
     case_no_sync_keep_unsharded,
     case_ignored_params,
     case_set_is_last_backward_and_flags,
+    case_manual_backward_finalization,
+    case_manual_finalization_cut_short,
+    case_manual_finalization_errors,
     case_errors,
 ]
 

@@ -154,6 +154,7 @@ def test_cli_json_and_errors(capsys):
 
 
 def test_cli_sweep_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the plot extra (make test installs it)")
     out = tmp_path / "s.png"
     assert cli_main(["simulate", "--model", "llama3-8b", "--gpus", "64", "--sweep", "gpus=64..256",
                      "--frameworks", "ragged,fsdp2", "--plot", str(out)]) == 0

@@ -29,7 +29,9 @@ from .core.init import (
     collect_params, ignored_names, mark_managed, mark_sharded, move_buffers, node_comm, param_device,
     resolve_reshard_after_forward, set_state, state_of,
 )
-from .compat.torch_module import TORCH_FSDP_MODULE, TorchFSDPBase, refuse_unknown_torch_methods
+from .compat.torch_module import (
+    TORCH_FSDP_MODULE, TORCH_REDUCTION_HANDLE, TorchFSDPBase, refuse_unknown_torch_methods,
+)
 from .compat.torch_state import register_torch_state
 from .core.consistency import check_same_answers
 from .core.residual_state import register_residual_state
@@ -37,12 +39,13 @@ from .core.mesh_info import place_params, resolve_mesh
 from .core.param_group import ParamGroup
 from .core.sharded_param import local_of
 from .core.state import FSDPState
+from .torch_private import in_backward
 from .core.stale_optimizer import remember_replaced
 from .offload.optimizers import require_streaming_optimizers
 from .offload.policy import resolve_offload
 from .offload.staging import attach as attach_offload
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "state_of"]
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "GradientReductionHandle", "state_of"]
 
 _fsdp_classes: dict[type, type] = {}
 
@@ -216,6 +219,23 @@ class UnshardHandle:
             self._group = None
 
 
+class GradientReductionHandle(TORCH_REDUCTION_HANDLE):
+    """What ``finalize_backward(async_op=True)`` returns: the step's reductions are issued;
+    :meth:`wait` waits for them and hands out the sharded gradients. An instance of torch's
+    ``GradientReductionHandle`` where torch has one (2.15)."""
+
+    def __init__(self, state: FSDPState | None, token: object = None):
+        self._state = state
+        self._token = token
+
+    def wait(self) -> None:
+        """Wait for the reductions and hand out the gradients (once; later calls do nothing).
+        Raises RuntimeError when the step was reset meanwhile (its gradients were dropped)."""
+        st, self._state = self._state, None
+        if st is not None:
+            st.end_finalize(self._token)
+
+
 class FSDPModule(TorchFSDPBase):
     """Mixed into the class of every module ``fully_shard`` wraps (as torch's FSDP2 does).
 
@@ -304,6 +324,56 @@ class FSDPModule(TorchFSDPBase):
         gradients, so there is nothing to defer to a later backward."""
         if not isinstance(is_last_backward, bool):
             raise TypeError(f"set_is_last_backward: expected a bool, got {is_last_backward!r}")
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """True: the caller ends each step with :meth:`finalize_backward` (torch 2.15's
+        contract; its pipeline schedules use it). Call it on the root before forward.
+
+        ragged_fsdp's end of every backward already waits for what that backward reduced and
+        hands it out, so the mode only allows :meth:`finalize_backward`: gradients that
+        accumulated unreduced (``set_requires_gradient_sync(False)``) are reduced there, and
+        nothing else changes. Gradient sync and resharding follow their current settings."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"set_manual_backward_finalization: expected a bool, got {enabled!r}")
+        st = self._fsdp_state()
+        if st.is_root is False:
+            raise RuntimeError(
+                f"set_manual_backward_finalization: {type(self).__name__} is not the root; call it "
+                "on the outermost wrapped module (the one that runs forward)"
+            )
+        if enabled != st.ctx.manual_finalization and in_backward():
+            raise RuntimeError("set_manual_backward_finalization: the mode cannot change during backward")
+        st.ctx.manual_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the step by hand (after ``set_manual_backward_finalization(True)``, once the
+        step's backward passes are done): reduce what accumulated unreduced and hand out the
+        sharded gradients. With ``async_op`` the reductions are issued and a
+        :class:`GradientReductionHandle` is returned; its ``wait()`` hands the gradients out and
+        must come before the gradients are read or this module's next forward. Before the
+        root's first forward it does nothing, as in torch."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"finalize_backward: async_op must be a bool, got {async_op!r}")
+        st = self._fsdp_state()
+        if st.is_root is None:
+            return GradientReductionHandle(None) if async_op else None
+        if not st.is_root:
+            raise RuntimeError(
+                f"finalize_backward: {type(self).__name__} is not the root; call it on the "
+                "outermost wrapped module (the one that runs forward)"
+            )
+        if not st.ctx.manual_finalization:
+            raise RuntimeError(
+                "finalize_backward: manual backward finalization is off; call "
+                "set_manual_backward_finalization(True) on the root before forward"
+            )
+        if in_backward():
+            raise RuntimeError("finalize_backward: called during backward; call it after backward returns")
+        handle = GradientReductionHandle(st, st.start_finalize())
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: False skips the all-reduce over the replicate dim (gradient accumulation):

@@ -9,7 +9,7 @@ method torch's class has: the ones the engine implements are defined on
 (where ragged_fsdp already does what the call asks) or as a clear refusal. No method of
 torch's class can run on our modules, since each reaches into FSDP2's private state.
 
-Torch internals that touch an ``FSDPModule`` (checked in torch 2.13):
+Torch internals that touch an ``FSDPModule`` (checked in torch 2.13 and 2.15):
 
 - ``register_fsdp_forward_method`` calls ``_get_fsdp_state()._pre_forward(module, args,
   kwargs)`` and ``._post_forward(module, args, out)``: our FSDPState has both with the same
@@ -23,11 +23,19 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13):
     micro-batch): ``set_is_last_backward(False)``, ``set_reshard_after_backward(False)``,
     ``set_requires_gradient_sync(False)``: gradients accumulate unreduced in the groups'
     gradient buffers, parameters stay gathered;
-  - at the end of the step (``perform_reduce_grad``): the same three with True, then
+  - at the end of the step (``perform_reduce_grad``), torch 2.13 and 2.14: the same three
+    with True, then
     ``fully_shard.state(m)._state_ctx.all_states[*]._fsdp_param_groups[*].post_backward()``
     and ``fully_shard.state(m)._root_post_backward_final_callback()``: answered by
     :mod:`.torch_state` (reduce what accumulated, then the engine's end of backward), then
     ``p.grad.div_(n_microbatches)`` on the sharded grads (a local op);
+  - torch 2.15 instead calls ``set_manual_backward_finalization(True)`` before each forward,
+    and at the end of the step ``set_requires_gradient_sync(True)``,
+    ``set_reshard_after_backward(True)``, ``finalize_backward(async_op=True)`` and the handle's
+    ``wait()``, then ``set_manual_backward_finalization(False)``: implemented by the engine's
+    ``FSDPModule`` (``fsdp/api.py``; the same reduction and end of backward). Its
+    ``defer_reduce_grad_wait`` option reads ``_get_fsdp_state()._comm_ctx``: refused as
+    ``share_comm_ctx`` is;
   - after the first step's metadata inference: ``reshard()`` on every FSDPModule and
     ``param.grad = None``;
   - the multi-stage runtime's UNSHARD / RESHARD actions: ``unshard(async_op=True)`` and the
@@ -47,14 +55,17 @@ from __future__ import annotations
 
 import inspect
 
+import torch.distributed.fsdp as _torch_fsdp
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
 from ..comms.custom import HOOK_LANE
 from .extension import check_comm, check_event, check_hook, check_stream
 
-__all__ = ["TorchFSDPBase", "refuse_unknown_torch_methods", "TORCH_FSDP_MODULE"]
+__all__ = ["TorchFSDPBase", "refuse_unknown_torch_methods", "TORCH_FSDP_MODULE", "TORCH_REDUCTION_HANDLE"]
 
 TORCH_FSDP_MODULE = _TorchFSDPModule
+# torch 2.15's finalize_backward(async_op=True) returns one; earlier torch has no such class
+TORCH_REDUCTION_HANDLE: type = getattr(_torch_fsdp, "GradientReductionHandle", object)
 
 
 def _refuse(name: str, why: str):
@@ -205,6 +216,11 @@ class TorchFSDPBase(_TorchFSDPModule):
     def set_symm_mem_for_comm(self, *args, **kwargs) -> None:
         _refuse("set_symm_mem_for_comm", "symmetric-memory comms are not supported (turn off "
                 "torchtitan's --parallelism.enable_fsdp_symm_mem)")
+
+    def set_keep_unsharded_storage(self, *args, **kwargs) -> None:
+        _refuse("set_keep_unsharded_storage", "not supported; a group's gathered buffer is freed "
+                "at reshard (CUDA graph capture of the unshard is not supported). To keep "
+                "parameters gathered, pass reshard_after_forward=False")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         _refuse("_set_unshard_async_op", "not supported; use unshard(async_op=True) for "

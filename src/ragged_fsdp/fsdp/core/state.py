@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..torch_private import in_backward, queue_callback, tree_map
+from ..compat.torch_state import refuse_lost_weight_grads
 from .common import TrainingState
 from .hooks import eager as _eager
 from .hooks import grad_tensors
@@ -51,6 +52,10 @@ class RootContext:
         self.reductions = Reductions()  # every gradient reduction under this root
         self.callback_queued = False
         self.params_seen = 0  # late_params.generation() at the last walk for late parameters
+        # torch's set_manual_backward_finalization(True): the caller ends the step with
+        # finalize_backward(); an async one not yet waited holds its token here
+        self.manual_finalization = False
+        self.pending_finalize: object | None = None
 
     def reset(self, states: list["FSDPState"], aborted: bool) -> None:
         """Back to the start of a step: after every backward (the final callback) and, with
@@ -161,6 +166,11 @@ class FSDPState:
                     f"fully_shard: {name} already ran forward as a root; run forward through "
                     "the outermost wrapped module first"
                 )
+            if st is not self and st.ctx.manual_finalization:
+                raise RuntimeError(
+                    f"set_manual_backward_finalization: it was called on {name}, which is not the "
+                    "root; call it on the outermost wrapped module (the one that runs forward)"
+                )
             st.join_root(self.ctx, is_root=st is self)
             self.ctx.all_states.append(st)
             if st.group is not None:
@@ -175,6 +185,11 @@ class FSDPState:
     # -- forward ---------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         recomputing = in_backward()
+        if self.ctx.pending_finalize is not None and not recomputing:
+            raise RuntimeError(
+                "ragged_fsdp: forward started while the handle finalize_backward(async_op=True) "
+                "returned was not waited on; call its wait() first (it hands out the gradients)"
+            )
         if not recomputing and self.ctx.callback_queued:
             # the last backward raised before its final callback (autograd drops a failed
             # backward's callbacks): start clean, before the states it left are read
@@ -243,6 +258,7 @@ class FSDPState:
         broken, and the step ends refuse it until the user drops it (step_boundary.py)."""
         ctx = self.ctx
         states = ctx.all_states or [self]
+        ctx.pending_finalize = None  # a handle of finalize_backward(async_op=True) is void now
         ctx.reductions.clear()
         for st in states:
             if st.group is not None:
@@ -338,6 +354,42 @@ class FSDPState:
             raise
         finally:
             ctx.reset(states, aborted=False)
+
+    # -- the caller's end of step (torch 2.15's manual backward finalization) ---------------
+    def start_finalize(self) -> object:
+        """Reduce what every group under this root accumulated since its last reduction (the
+        backward passes of a pipeline step, run with gradient sync off, and the gradients a
+        weight-gradient pass wrote into ``.grad`` outside autograd's hooks), in the states'
+        order on every rank. Returns the token :meth:`end_finalize` takes."""
+        ctx = self.ctx
+        if ctx.pending_finalize is not None:
+            raise RuntimeError(
+                "finalize_backward: the handle of the previous finalize_backward(async_op=True) "
+                "was not waited on; call its wait() first"
+            )
+        states = ctx.all_states or [self]
+        try:
+            for st in states:
+                if st.group is not None:
+                    refuse_lost_weight_grads(st.group)
+                    st.group.reduce_accumulated()
+        except BaseException:
+            self.abort_step()
+            raise
+        ctx.pending_finalize = token = object()
+        return token
+
+    def end_finalize(self, token: object) -> None:
+        """Wait for the reductions :meth:`start_finalize` issued and hand the sharded gradients
+        out (the engine's end of backward)."""
+        ctx = self.ctx
+        if ctx.pending_finalize is not token:
+            raise RuntimeError(
+                "GradientReductionHandle.wait: this handle's step was reset (reset_iter_state, "
+                "abort_step or an exception in forward/backward) and its gradients dropped"
+            )
+        ctx.pending_finalize = None
+        self._final_callback()
 
     # -- mixed precision -------------------------------------------------------------------
     def _cast_inputs(self, args, kwargs):
