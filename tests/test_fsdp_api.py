@@ -311,6 +311,9 @@ def case_manual_finalization_errors(rank, world):
     _raises(RuntimeError, "not the root", lambda: model.layers[0].set_manual_backward_finalization(True))
     _raises(RuntimeError, "not the root", lambda: model.layers[0].finalize_backward())
     _raises(NotImplementedError, "set_keep_unsharded_storage", lambda: model.set_keep_unsharded_storage(True))
+    from torch.distributed.fsdp import share_comm_ctx
+
+    _raises(NotImplementedError, "share_comm_ctx", lambda: share_comm_ctx([model, _wrapped(cpu_mesh(world))]))
 
 
 # -- bad input ---------------------------------------------------------------------------------

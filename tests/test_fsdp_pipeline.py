@@ -79,8 +79,17 @@ def _mesh(hsdp: bool):
     return _MESHES[hsdp]
 
 
+def _defers_reduce_wait() -> bool:
+    """torch 2.15's multi-stage schedules take defer_reduce_grad_wait (earlier ones do not)."""
+    import inspect
+
+    from torch.distributed.pipelining import ScheduleInterleaved1F1B
+
+    return "defer_reduce_grad_wait" in inspect.signature(ScheduleInterleaved1F1B.__init__).parameters
+
+
 def _train(framework: str, schedule: str, *, hsdp: bool = False, reshard_after_forward=False, traces=None,
-           pp_group=None):
+           pp_group=None, **schedule_kw):
     """Train the split model 3 steps; returns (global losses per step, full parameters of
     this rank's stages). ``traces``: a list that gets ragged_fsdp's trace of each step.
     ``pp_group``: a one-rank group instead of the mesh's pp dim (both stages on each rank)."""
@@ -110,7 +119,7 @@ def _train(framework: str, schedule: str, *, hsdp: bool = False, reshard_after_f
         stages.append(PipelineStage(m, s, n_stages, torch.device("cpu"), group=pp_group or pp_mesh.get_group()))
     cls = {"gpipe": S.ScheduleGPipe, "1f1b": S.Schedule1F1B, "interleaved_1f1b": S.ScheduleInterleaved1F1B,
            "interleaved_zb": S.ScheduleInterleavedZeroBubble, "zbv": S.ScheduleZBVZeroBubble}[schedule]
-    sched = cls(stages if looped else stages[0], n_microbatches=MICRO, loss_fn=_loss)
+    sched = cls(stages if looped else stages[0], n_microbatches=MICRO, loss_fn=_loss, **schedule_kw)
     opt = torch.optim.SGD([p for m in mods for p in m.parameters()], lr=LR)
     first, last = 0 in mine, n_stages - 1 in mine
     out = []
@@ -146,11 +155,11 @@ def _compare(name, got, want):
         assert d <= PARAM_ATOL, f"{name}: {n} differs by {d:.2e} after {STEPS} steps"
 
 
-def _check_schedule(schedule: str, hsdp: bool = False):
+def _check_schedule(schedule: str, hsdp: bool = False, **schedule_kw):
     ref = _reference()
     traces: list = []
-    ours = _train("ragged", schedule, hsdp=hsdp, traces=traces)
-    theirs = _train("torch", schedule, hsdp=hsdp)
+    ours = _train("ragged", schedule, hsdp=hsdp, traces=traces, **schedule_kw)
+    theirs = _train("torch", schedule, hsdp=hsdp, **schedule_kw)
     _compare(f"ragged_fsdp {schedule}", ours, ref)
     _compare(f"FSDP2 {schedule}", theirs, ref)
     _compare(f"ragged_fsdp vs FSDP2 {schedule}", ours, (theirs[0], theirs[1]))
@@ -182,6 +191,13 @@ def case_interleaved_zero_bubble(rank, world):
     """Split backward: input-gradient passes, then weight-gradient passes whose gradients
     arrive in the unsharded parameters' .grad outside the engine's autograd hooks."""
     _check_schedule("interleaved_zb")
+
+
+def case_interleaved_1f1b_deferred_wait(rank, world):
+    """torch 2.15: each stage's gradient reduction is waited for only before the next
+    stage's reduction starts (the other stage's backward runs in between)."""
+    if _defers_reduce_wait():
+        _check_schedule("interleaved_1f1b", defer_reduce_grad_wait=True)
 
 
 def case_hsdp_1f1b(rank, world):
@@ -225,8 +241,9 @@ def _chain(e):
         e = e.__cause__ or e.__context__
 
 
-CASES = [case_gpipe, case_1f1b, case_interleaved_1f1b, case_interleaved_zero_bubble, case_hsdp_1f1b,
-         case_zero_bubble_after_reshard_refused, case_identity_view_is_local]
+CASES = [case_gpipe, case_1f1b, case_interleaved_1f1b, case_interleaved_1f1b_deferred_wait,
+         case_interleaved_zero_bubble, case_hsdp_1f1b, case_zero_bubble_after_reshard_refused,
+         case_identity_view_is_local]
 
 
 @pytest.fixture(scope="module")
@@ -236,4 +253,6 @@ def results():
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__[5:])
 def test_fsdp_pipeline(results, case):
+    if case is case_interleaved_1f1b_deferred_wait and not _defers_reduce_wait():
+        pytest.skip("torch.distributed.pipelining has no defer_reduce_grad_wait before torch 2.15")
     check_case(results, case, WORLD)

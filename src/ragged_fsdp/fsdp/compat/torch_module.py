@@ -14,8 +14,9 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13 and 2.15):
 - ``register_fsdp_forward_method`` calls ``_get_fsdp_state()._pre_forward(module, args,
   kwargs)`` and ``._post_forward(module, args, out)``: our FSDPState has both with the same
   signatures, so it works.
-- ``share_comm_ctx`` touches ``_comm_ctx`` (CUDA streams shared across PP roots): refused by
-  :meth:`TorchFSDPBase._get_fsdp_state` not having it (an AttributeError naming it).
+- ``share_comm_ctx`` assigns ``_comm_ctx`` (CUDA streams shared across PP roots): the
+  engine's state refuses the assignment (NotImplementedError naming ``share_comm_ctx``);
+  reading it gives the root's own context, one per root.
 - ``torch.distributed.pipelining`` (``stage.py``, ``schedules.py``, ``_backward.py``) tests
   ``isinstance(stage.submod, FSDPModule)`` and then calls, per stage:
 
@@ -34,8 +35,8 @@ Torch internals that touch an ``FSDPModule`` (checked in torch 2.13 and 2.15):
     ``set_reshard_after_backward(True)``, ``finalize_backward(async_op=True)`` and the handle's
     ``wait()``, then ``set_manual_backward_finalization(False)``: implemented by the engine's
     ``FSDPModule`` (``fsdp/api.py``; the same reduction and end of backward). Its
-    ``defer_reduce_grad_wait`` option reads ``_get_fsdp_state()._comm_ctx``: refused as
-    ``share_comm_ctx`` is;
+    ``defer_reduce_grad_wait`` option (a stage's wait moved after the next stage's work)
+    checks that no two stages share ``_get_fsdp_state()._comm_ctx``: ours never do;
   - after the first step's metadata inference: ``reshard()`` on every FSDPModule and
     ``param.grad = None``;
   - the multi-stage runtime's UNSHARD / RESHARD actions: ``unshard(async_op=True)`` and the

@@ -133,6 +133,20 @@ class FSDPState:
         self.is_root = is_root
         self.ctx = ctx
 
+    @property
+    def _comm_ctx(self) -> RootContext:
+        """torch's name for what a root's states share (FSDP2: the streams; ours: the root's
+        context). torch 2.15's multi-stage pipeline schedules with ``defer_reduce_grad_wait``
+        check through it that no two stages share one, which ours never do."""
+        return self.ctx
+
+    @_comm_ctx.setter
+    def _comm_ctx(self, value) -> None:
+        raise NotImplementedError(
+            "ragged_fsdp: torch.distributed.fsdp.share_comm_ctx is not supported; each root "
+            "keeps its own context (drop the call: it only shares CUDA streams between PP stages)"
+        )
+
     def end_step(self, aborted: bool) -> None:
         """Back to the start of a step (:meth:`RootContext.reset`); with ``aborted`` also the
         list group's modules still to run."""
