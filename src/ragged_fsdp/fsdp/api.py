@@ -343,7 +343,7 @@ class FSDPModule(TorchFSDPBase):
             )
         if enabled != st.ctx.manual_finalization and in_backward():
             raise RuntimeError("set_manual_backward_finalization: the mode cannot change during backward")
-        st.ctx.manual_finalization = enabled
+        st.set_manual_finalization(enabled)
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
         """End the step by hand (after ``set_manual_backward_finalization(True)``, once the

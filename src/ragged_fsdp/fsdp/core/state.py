@@ -370,6 +370,9 @@ class FSDPState:
             ctx.reset(states, aborted=False)
 
     # -- the caller's end of step (torch 2.15's manual backward finalization) ---------------
+    def set_manual_finalization(self, enabled: bool) -> None:
+        self.ctx.manual_finalization = enabled
+
     def start_finalize(self) -> object:
         """Reduce what every group under this root accumulated since its last reduction (the
         backward passes of a pipeline step, run with gradient sync off, and the gradients a
