@@ -311,6 +311,14 @@ def case_manual_finalization_errors(rank, world):
     _raises(RuntimeError, "not the root", lambda: model.layers[0].set_manual_backward_finalization(True))
     _raises(RuntimeError, "not the root", lambda: model.layers[0].finalize_backward())
     _raises(NotImplementedError, "set_keep_unsharded_storage", lambda: model.set_keep_unsharded_storage(True))
+    # the mode set on one rank only: every rank raises at the next forward, naming it (no hang)
+    model.set_manual_backward_finalization(rank == 0)
+    from ragged_fsdp.fsdp import SettingMismatchError
+
+    _raises(SettingMismatchError, r"set_manual_backward_finalization \(the root\).*rank\(s\) \[0\]: True",
+            lambda: _step(model, rank, world))
+    model.set_manual_backward_finalization(True)
+    _manual_step(model, rank, world)
     from torch.distributed.fsdp import share_comm_ctx
 
     _raises(NotImplementedError, "share_comm_ctx", lambda: share_comm_ctx([model, _wrapped(cpu_mesh(world))]))

@@ -325,6 +325,16 @@ class FSDPModule(TorchFSDPBase):
         if not isinstance(is_last_backward, bool):
             raise TypeError(f"set_is_last_backward: expected a bool, got {is_last_backward!r}")
 
+    def _root_state(self, what: str) -> FSDPState:
+        """This module's state, refused unless it is (or may still become) the root."""
+        st = self._fsdp_state()
+        if st.is_root is False:
+            raise RuntimeError(
+                f"{what}: {type(self).__name__} is not the root; call it on the outermost wrapped "
+                "module (the one that runs forward)"
+            )
+        return st
+
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """True: the caller ends each step with :meth:`finalize_backward` (torch 2.15's
         contract; its pipeline schedules use it). Call it on the root before forward.
@@ -335,12 +345,7 @@ class FSDPModule(TorchFSDPBase):
         nothing else changes. Gradient sync and resharding follow their current settings."""
         if not isinstance(enabled, bool):
             raise TypeError(f"set_manual_backward_finalization: expected a bool, got {enabled!r}")
-        st = self._fsdp_state()
-        if st.is_root is False:
-            raise RuntimeError(
-                f"set_manual_backward_finalization: {type(self).__name__} is not the root; call it "
-                "on the outermost wrapped module (the one that runs forward)"
-            )
+        st = self._root_state("set_manual_backward_finalization")
         if enabled != st.ctx.manual_finalization and in_backward():
             raise RuntimeError("set_manual_backward_finalization: the mode cannot change during backward")
         st.set_manual_finalization(enabled)
@@ -354,14 +359,9 @@ class FSDPModule(TorchFSDPBase):
         root's first forward it does nothing, as in torch."""
         if not isinstance(async_op, bool):
             raise TypeError(f"finalize_backward: async_op must be a bool, got {async_op!r}")
-        st = self._fsdp_state()
+        st = self._root_state("finalize_backward")
         if st.is_root is None:
             return GradientReductionHandle(None) if async_op else None
-        if not st.is_root:
-            raise RuntimeError(
-                f"finalize_backward: {type(self).__name__} is not the root; call it on the "
-                "outermost wrapped module (the one that runs forward)"
-            )
         if not st.ctx.manual_finalization:
             raise RuntimeError(
                 "finalize_backward: manual backward finalization is off; call "

@@ -31,7 +31,7 @@ from ..torch_private import STATE_KEY as _STATE_KEY
 
 _TORCH_FUNC = getattr(_torch_fully_shard, "__wrapped__", None)
 
-__all__ = ["TorchStateView", "register_torch_state", "refuse_lost_weight_grads"]
+__all__ = ["TorchStateView", "register_torch_state", "refuse_lost_weight_grads", "reduce_at_step_end"]
 
 
 class PipelineGroup(Protocol):
@@ -52,8 +52,14 @@ class _GroupView:
         self._group = group
 
     def post_backward(self) -> None:
-        refuse_lost_weight_grads(self._group)
-        self._group.reduce_accumulated()
+        reduce_at_step_end(self._group)
+
+
+def reduce_at_step_end(group: PipelineGroup) -> None:
+    """A pipeline step's end for one group (torch 2.13/2.14 through this view, 2.15 through
+    ``finalize_backward``): refuse lost weight gradients, then reduce what accumulated."""
+    refuse_lost_weight_grads(group)
+    group.reduce_accumulated()
 
 
 def refuse_lost_weight_grads(group: PipelineGroup) -> None:

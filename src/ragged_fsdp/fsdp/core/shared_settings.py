@@ -4,7 +4,8 @@
 What changes later does not go through a collective when it is set: a setter called on one
 rank only would leave that rank waiting in an exchange the others never enter. So the
 setters (``set_reshard_after_forward``/``_backward``, ``set_requires_gradient_sync``,
-``set_requires_all_reduce``, ``set_unshard_in_backward``, ``set_gradient_divide_factor``)
+``set_requires_all_reduce``, ``set_unshard_in_backward``, ``set_gradient_divide_factor``, and
+the root's ``set_manual_backward_finalization``)
 and ``global_order`` only change this rank's value, and each root forward, before its first
 all-gather, compares a fingerprint of every group's values in one small host all-reduce
 (``agreement.agree_flags``): ranks that differ raise on every rank, naming the group, the
@@ -64,21 +65,27 @@ def agree_at_forward(states) -> None:
     hosts = _host_groups(dps)
     if not hosts:
         return
+    root = root_settings(states[0].ctx)
     # the fingerprint is hashed once per distinct set of values (setters change them rarely)
-    raw = tuple((g.describe(), *group_settings(g).values()) for g in groups)
+    raw = (tuple(root.values()), *((g.describe(), *group_settings(g).values()) for g in groups))
     h = _FINGERPRINTS.get(raw)
     if h is None:
         if len(_FINGERPRINTS) > 64:
             _FINGERPRINTS.clear()
-        h = _FINGERPRINTS[raw] = _fingerprint(_forward_settings(groups))
-    _exchange(_FORWARD, lambda: _forward_settings(groups), hosts, None, "forward", h)
+        h = _FINGERPRINTS[raw] = _fingerprint(_forward_settings(root, groups))
+    _exchange(_FORWARD, lambda: _forward_settings(root, groups), hosts, None, "forward", h)
 
 
 _FINGERPRINTS: dict[tuple, int] = {}
 
 
-def _forward_settings(groups) -> dict[str, str]:
-    return {f"{g.describe()}: {k}": v for g in groups for k, v in group_settings(g).items()}
+def root_settings(ctx) -> dict[str, str]:
+    """This rank's values of the settings a root holds for every group under it."""
+    return {"set_manual_backward_finalization (the root)": repr(ctx.manual_finalization)}
+
+
+def _forward_settings(root: dict[str, str], groups) -> dict[str, str]:
+    return {**root, **{f"{g.describe()}: {k}": v for g in groups for k, v in group_settings(g).items()}}
 
 
 def _fingerprint(settings: dict[str, str]) -> int:

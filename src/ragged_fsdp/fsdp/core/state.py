@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..torch_private import in_backward, queue_callback, tree_map
-from ..compat.torch_state import refuse_lost_weight_grads
+from ..compat.torch_state import reduce_at_step_end
 from .common import TrainingState
 from .hooks import eager as _eager
 from .hooks import grad_tensors
@@ -388,8 +388,7 @@ class FSDPState:
         try:
             for st in states:
                 if st.group is not None:
-                    refuse_lost_weight_grads(st.group)
-                    st.group.reduce_accumulated()
+                    reduce_at_step_end(st.group)
         except BaseException:
             self.abort_step()
             raise
